@@ -1,0 +1,5 @@
+import sys
+
+from elasticrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""``elasticrl`` command line: ``coordinator``, ``status``, ``close-run``.
+
+Arguments are parsed before anything heavy is imported, so ``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from elasticrl import __version__
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default="127.0.0.1:50051", metavar="HOST:PORT", help="coordinator address (default: %(default)s)")
+    p.add_argument("--token-file", help="file holding the shared token (default: $ELASTICRL_TOKEN if set)")
+    p.add_argument("--tls-ca", help="PEM CA bundle to verify a TLS coordinator")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-call deadline, seconds (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elasticrl", description="Elastic RL post-training over torch.distributed.")
+    parser.add_argument("--version", action="version", version=f"elasticrl {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the coordinator (gRPC control plane)")
+    c.add_argument("--host", default="127.0.0.1", help="interface to bind; 0.0.0.0 for all (default: %(default)s)")
+    c.add_argument("--port", type=int, default=50051, help="TCP port; 0 picks a free one (default: %(default)s)")
+    c.add_argument("--state-dir", help="directory for durable state (SQLite, WAL); omit to keep state in memory only")
+    c.add_argument("--lease-ttl", type=float, default=5.0, metavar="S", help="member lease, seconds: silent members are evicted after this (default: %(default)s)")
+    c.add_argument("--tick", type=float, default=0.05, metavar="S", help="how often leases and deadlines are checked, seconds (default: %(default)s)")
+    c.add_argument("--token-file", help="require this shared token (first line of the file) on every call")
+    c.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
+    c.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    c.add_argument("--fsync", action="store_true", help="fsync every state change (survives power loss; slower)")
+    c.add_argument("--port-file", help="write the bound port to this file once serving (useful with --port 0)")
+
+    s = sub.add_parser("status", help="show members, epochs, rounds and open barriers")
+    _add_client_args(s)
+    s.add_argument("--run", default="", help="only this run id (default: every run)")
+    s.add_argument("--all", action="store_true", help="also list members that left or were evicted")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    x = sub.add_parser("close-run", help="close a run: no node can join or rendezvous in it again")
+    _add_client_args(x)
+    x.add_argument("run", help="run id to close")
+    x.add_argument("--reason", default="closed by operator", help="reason recorded with the close")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "coordinator":
+        return _coordinator(args)
+    from elasticrl.coordinator.client import CoordinatorClient, resolve_token
+    from elasticrl.errors import ElasticRLError
+
+    try:
+        with CoordinatorClient(
+            args.coordinator,
+            token=resolve_token(None, args.token_file),
+            tls_ca=args.tls_ca,
+            call_timeout_s=args.timeout,
+            reconnect_timeout_s=args.timeout,
+        ) as client:
+            if args.command == "status":
+                data = client.status(args.run, include_departed=args.all)
+                if args.json:
+                    print(json.dumps(data, indent=2, sort_keys=True))
+                else:
+                    from elasticrl.status_table import render
+
+                    print(render(data))
+            elif args.command == "close-run":
+                client.close_run(args.run, args.reason)
+                print(f"run {args.run} closed")
+    except ElasticRLError as exc:
+        print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from elasticrl.coordinator.server import CoordinatorConfig, serve
+
+    try:
+        config = CoordinatorConfig(
+            host=args.host,
+            port=args.port,
+            state_dir=args.state_dir,
+            lease_ttl_s=args.lease_ttl,
+            tick_s=args.tick,
+            token_file=args.token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            fsync=args.fsync,
+            port_file=args.port_file,
+        )
+        asyncio.run(serve(config))
+    except (ValueError, OSError) as exc:
+        print(f"elasticrl coordinator: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

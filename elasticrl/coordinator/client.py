@@ -1,0 +1,460 @@
+"""Synchronous client of the coordinator, and ``Membership``: a joined member that keeps its lease.
+
+Every call has a gRPC deadline. A call that finds the coordinator unreachable (UNAVAILABLE, e.g.
+while it restarts after ``kill -9``) is retried with jittered exponential backoff (tenacity) for at
+most ``reconnect_timeout_s`` in all, then raises ``CoordinatorUnavailableError`` naming the
+address. Every other gRPC error becomes its ``elasticrl.errors`` class in ``codes``.
+
+Blocking operations (barriers, KV waits, rendezvous rounds) are made of short server-side waits
+(``wait_ms``) that the client repeats until its own deadline, so a coordinator restart in the
+middle of a barrier only costs one retried, idempotent arrival.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import tenacity
+
+from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
+from elasticrl.coordinator import codes
+from elasticrl.coordinator.state import BarrierResult, Outcome, RoundResult
+from elasticrl.errors import (
+    BarrierTimeoutError,
+    CoordinatorTimeoutError,
+    CoordinatorUnavailableError,
+    ElasticRLError,
+    FencedError,
+)
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "ELASTICRL_TOKEN"
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.enable_retries", 0),
+    # Reconnect quickly after a coordinator restart instead of gRPC's default 1-120 s backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# The longest single server-side wait; longer waits are repeated calls.
+MAX_WAIT_CHUNK_S = 20.0
+# Slack between a server-side wait and the call's gRPC deadline.
+DEADLINE_SLACK_S = 5.0
+
+_POLICY = {"evict_missing": pb.TIMEOUT_POLICY_EVICT_MISSING, "report": pb.TIMEOUT_POLICY_REPORT}
+_ROUND_STATUS = {
+    pb.ROUND_STATUS_COMPLETE: "complete",
+    pb.ROUND_STATUS_WAITING: "waiting",
+    pb.ROUND_STATUS_TIMED_OUT: "timed_out",
+    pb.ROUND_STATUS_CLOSED: "closed",
+}
+
+
+def resolve_token(token: str | None = None, token_file: str | None = None) -> str | None:
+    """The token to send: explicit value, else the file's first line, else $ELASTICRL_TOKEN."""
+    if token:
+        return token
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip() or None
+    return os.environ.get(TOKEN_ENV) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinResult:
+    run_id: str
+    member_id: str
+    incarnation: int
+    epoch: int
+    lease_ttl_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundView:
+    round: int
+    participants: tuple[str, ...]
+    waiting: tuple[str, ...]
+    lost: tuple[str, ...]
+    max_nodes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunView:
+    """A watch snapshot: the run's epoch, live member ids and rendezvous state."""
+
+    run_id: str
+    epoch: int
+    closed: bool
+    members: tuple[str, ...]
+    round: RoundView
+    events: tuple[tuple[str, str, str], ...] = ()  # (type, member id, reason) since the last view
+
+
+def _run_view(msg: pb.WatchResponse) -> RunView:
+    s, r = msg.snapshot, msg.snapshot.round
+    return RunView(
+        run_id=s.run_id,
+        epoch=s.epoch,
+        closed=s.closed,
+        members=tuple(m.member_id for m in s.members),
+        round=RoundView(r.round, tuple(r.participants), tuple(r.waiting), tuple(r.lost), r.config.max_nodes),
+        events=tuple(
+            (pb.EventType.Name(e.type).removeprefix("EVENT_TYPE_").lower(), e.member.member_id, e.reason)
+            for e in msg.events
+        ),
+    )
+
+
+class CoordinatorClient:
+    """Blocking client. Thread-safe (gRPC channels are); one per process is plenty."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        call_timeout_s: float = 10.0,
+        reconnect_timeout_s: float = 30.0,
+    ):
+        if ":" not in address:
+            raise ValueError(f"address: {address!r} must be HOST:PORT")
+        self.address = address
+        self.call_timeout_s = call_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        token = resolve_token(token)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if tls_ca is not None:
+            with open(tls_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "CoordinatorClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _call(self, method: str, request, *, timeout_s: float | None = None, retry_s: float | None = None):
+        """One unary call with a deadline, retried on UNAVAILABLE for at most ``retry_s``."""
+        fn = getattr(self._stub, method)
+        deadline = self.call_timeout_s if timeout_s is None else timeout_s
+        budget = self.reconnect_timeout_s if retry_s is None else retry_s
+
+        def once():
+            return fn(request, timeout=deadline, metadata=self._metadata)
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(codes.is_retryable),
+            wait=tenacity.wait_exponential_jitter(initial=0.05, max=1.0),
+            stop=tenacity.stop_after_delay(budget),
+            before_sleep=lambda rs: log.debug("coordinator %s unavailable, retrying %s", self.address, method),
+            reraise=True,
+        )
+        try:
+            return retrying(once)
+        except grpc.RpcError as err:
+            raise codes.error_from_rpc(err, self.address) from None
+
+    # -- membership --------------------------------------------------------------------------
+
+    def join(
+        self,
+        run_id: str,
+        member_id: str,
+        *,
+        host: str | None = None,
+        weight: float = 1.0,
+        capabilities: dict[str, str] | None = None,
+        lease_ttl_s: float = 0.0,
+    ) -> JoinResult:
+        resp = self._call(
+            "Join",
+            pb.JoinRequest(
+                run_id=run_id,
+                member_id=member_id,
+                host=socket.gethostname() if host is None else host,
+                weight=weight,
+                capabilities=capabilities or {},
+                lease_ttl_ms=int(lease_ttl_s * 1000),
+            ),
+        )
+        return JoinResult(run_id, resp.member.member_id, resp.member.incarnation, resp.epoch, resp.lease_ttl_ms / 1000)
+
+    def keep_alive(self, run_id: str, member_id: str, incarnation: int, *, retry_s: float | None = None) -> int:
+        ref = pb.MemberRef(member_id=member_id, incarnation=incarnation)
+        return self._call("KeepAlive", pb.KeepAliveRequest(run_id=run_id, member=ref), retry_s=retry_s).epoch
+
+    def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "") -> int:
+        ref = pb.MemberRef(member_id=member_id, incarnation=incarnation)
+        return self._call("Leave", pb.LeaveRequest(run_id=run_id, member=ref, reason=reason)).epoch
+
+    def watch(self, run_id: str, *, stop: threading.Event | None = None) -> Iterator[RunView]:
+        """Yield a RunView on every change (and a heartbeat every ~15 s), re-subscribing after a
+        coordinator restart. Ends when ``stop`` is set (checked between messages) or when the
+        coordinator stays unreachable for ``reconnect_timeout_s``."""
+        down_since: float | None = None
+        while stop is None or not stop.is_set():
+            call = self._stub.Watch(pb.WatchRequest(run_id=run_id), metadata=self._metadata)
+            try:
+                for msg in call:
+                    down_since = None
+                    yield _run_view(msg)
+                    if stop is not None and stop.is_set():
+                        call.cancel()
+                        return
+            except grpc.RpcError as err:
+                if not codes.is_retryable(err):
+                    if err.code() == grpc.StatusCode.CANCELLED and stop is not None and stop.is_set():
+                        return
+                    raise codes.error_from_rpc(err, self.address) from None
+            now = time.monotonic()
+            down_since = down_since or now
+            if now - down_since > self.reconnect_timeout_s:
+                raise CoordinatorUnavailableError(
+                    f"coordinator at {self.address} is unreachable: watch lost for {now - down_since:.1f}s"
+                )
+            time.sleep(0.2)
+
+    # -- barriers ----------------------------------------------------------------------------
+
+    def arrive(
+        self,
+        run_id: str,
+        member_id: str,
+        incarnation: int,
+        name: str,
+        *,
+        timeout_s: float,
+        policy: str = "evict_missing",
+        epoch: int = 0,
+    ) -> BarrierResult:
+        """Arrive at barrier ``name`` and return once it is decided.
+
+        Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
+        ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``.
+        """
+        if policy not in _POLICY:
+            raise ValueError(f"policy: {policy!r} is not one of {sorted(_POLICY)}")
+        give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self.reconnect_timeout_s
+        ref = pb.MemberRef(member_id=member_id, incarnation=incarnation)
+        while True:
+            wait_s = max(0.05, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            resp = self._call(
+                "Arrive",
+                pb.ArriveRequest(
+                    run_id=run_id,
+                    member=ref,
+                    name=name,
+                    epoch=epoch,
+                    timeout_ms=max(1, int(timeout_s * 1000)),
+                    policy=_POLICY[policy],
+                    wait_ms=max(1, int(wait_s * 1000)),
+                ),
+                timeout_s=wait_s + DEADLINE_SLACK_S,
+            )
+            if resp.outcome == pb.BARRIER_OUTCOME_COMPLETED:
+                return BarrierResult(
+                    Outcome.COMPLETED, list(resp.arrived), list(resp.evicted), list(resp.missing), resp.epoch, resp.reason
+                )
+            if resp.outcome == pb.BARRIER_OUTCOME_TIMED_OUT:
+                raise BarrierTimeoutError(
+                    f"barrier {name!r}: {resp.reason}", name=name, missing=list(resp.missing), arrived=list(resp.arrived)
+                )
+            if time.monotonic() >= give_up:
+                raise CoordinatorTimeoutError(f"barrier {name!r} was not decided within {timeout_s:.3f}s")
+
+    # -- key-value ---------------------------------------------------------------------------
+
+    def kv_set(self, run_id: str, pairs: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> None:
+        items = pairs.items() if isinstance(pairs, dict) else pairs
+        self._call("KVSet", pb.KVSetRequest(run_id=run_id, pairs=[pb.KVPair(key=k, value=v) for k, v in items]))
+
+    def kv_get(self, run_id: str, keys: list[bytes]) -> list[bytes | None]:
+        """Current values; None for a missing key. Never waits."""
+        resp = self._call("KVGet", pb.KVGetRequest(run_id=run_id, keys=keys))
+        missing = set(resp.missing)
+        return [None if k in missing else val for k, val in zip(keys, resp.values)]
+
+    def kv_wait(self, run_id: str, keys: list[bytes], timeout_s: float) -> list[bytes]:
+        """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after ``timeout_s``."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            left = give_up - time.monotonic()
+            wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, left))
+            try:
+                resp = self._call(
+                    "KVGet",
+                    pb.KVGetRequest(run_id=run_id, keys=keys, wait_ms=max(1, int(wait_s * 1000))),
+                    timeout_s=wait_s + DEADLINE_SLACK_S,
+                )
+                return list(resp.values)
+            except CoordinatorTimeoutError:
+                if time.monotonic() >= give_up:
+                    raise
+
+    def kv_compare_set(self, run_id: str, key: bytes, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
+        resp = self._call("KVCompareSet", pb.KVCompareSetRequest(run_id=run_id, key=key, expected=expected, desired=desired))
+        return resp.value, resp.swapped
+
+    def kv_add(self, run_id: str, key: bytes, delta: int) -> int:
+        return self._call("KVAdd", pb.KVAddRequest(run_id=run_id, key=key, delta=delta)).value
+
+    def kv_delete(self, run_id: str, key: bytes) -> bool:
+        return self._call("KVDelete", pb.KVDeleteRequest(run_id=run_id, key=key)).deleted
+
+    def kv_num_keys(self, run_id: str) -> int:
+        return self._call("KVNumKeys", pb.KVNumKeysRequest(run_id=run_id)).count
+
+    # -- rendezvous and runs -----------------------------------------------------------------
+
+    def round_join(
+        self,
+        run_id: str,
+        member_id: str,
+        incarnation: int,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        last_call_s: float,
+        join_timeout_s: float,
+        after_round: int,
+        wait_s: float = MAX_WAIT_CHUNK_S,
+    ) -> RoundResult:
+        """One bounded wait for a round newer than ``after_round``; status "waiting" means call again."""
+        resp = self._call(
+            "RoundJoin",
+            pb.RoundJoinRequest(
+                run_id=run_id,
+                member=pb.MemberRef(member_id=member_id, incarnation=incarnation),
+                config=pb.RoundConfig(
+                    min_nodes=min_nodes,
+                    max_nodes=max_nodes,
+                    last_call_ms=max(1, int(last_call_s * 1000)),
+                    join_timeout_ms=max(1, int(join_timeout_s * 1000)),
+                ),
+                after_round=after_round,
+                wait_ms=max(1, int(wait_s * 1000)),
+            ),
+            timeout_s=wait_s + DEADLINE_SLACK_S,
+        )
+        return RoundResult(_ROUND_STATUS.get(resp.status, "waiting"), resp.round, resp.rank, tuple(resp.participants), resp.reason)
+
+    def close_run(self, run_id: str, reason: str = "") -> None:
+        self._call("CloseRun", pb.CloseRunRequest(run_id=run_id, reason=reason))
+
+    def status(self, run_id: str = "", *, include_departed: bool = False) -> dict:
+        """The coordinator's view as plain JSON-able data (see ``elasticrl status --json``)."""
+        from google.protobuf import json_format
+
+        resp = self._call("Status", pb.StatusRequest(run_id=run_id, include_departed=include_departed))
+        return json_format.MessageToDict(
+            resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+
+
+class Membership:
+    """A joined member that renews its lease from a daemon thread until it leaves or is fenced.
+
+    If the coordinator says this incarnation is fenced (it was evicted while paused, say), the
+    thread stops, ``fenced`` holds the error, ``on_fenced`` is called once, and every later call
+    through this object raises that error: a fenced process must not act as a member again.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        run_id: str,
+        member_id: str,
+        *,
+        on_fenced: Callable[[FencedError], None] | None = None,
+        **join_kwargs,
+    ):
+        self.client = client
+        self.run_id = run_id
+        joined = client.join(run_id, member_id, **join_kwargs)
+        self.member_id = joined.member_id
+        self.incarnation = joined.incarnation
+        self.epoch = joined.epoch
+        self.lease_ttl_s = joined.lease_ttl_s
+        self.fenced: FencedError | None = None
+        self._on_fenced = on_fenced
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name=f"elasticrl-lease-{member_id}", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        period = self.lease_ttl_s / 3
+        while not self._stop.wait(period):
+            try:
+                self.epoch = max(self.epoch, self.client.keep_alive(self.run_id, self.member_id, self.incarnation, retry_s=period))
+            except FencedError as exc:
+                self._fence(exc)
+                return
+            except ElasticRLError as exc:
+                log.warning("member %s: keep-alive failed (%s); retrying", self.member_id, exc)
+
+    def _fence(self, exc: FencedError) -> None:
+        if self.fenced is None:
+            self.fenced = exc
+            log.error("member %s incarnation %d fenced: %s", self.member_id, self.incarnation, exc)
+            if self._on_fenced is not None:
+                self._on_fenced(exc)
+
+    def _check(self) -> None:
+        if self.fenced is not None:
+            raise self.fenced
+
+    def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing") -> BarrierResult:
+        self._check()
+        try:
+            result = self.client.arrive(
+                self.run_id, self.member_id, self.incarnation, name, timeout_s=timeout_s, policy=policy, epoch=self.epoch
+            )
+        except FencedError as exc:
+            self._fence(exc)
+            raise
+        self.epoch = max(self.epoch, result.epoch)
+        return result
+
+    def stop(self) -> None:
+        """Stop renewing without leaving (the lease then lapses on its own)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.client.call_timeout_s + 1)
+
+    def leave(self, reason: str = "") -> None:
+        self.stop()
+        if self.fenced is None:
+            try:
+                self.client.leave(self.run_id, self.member_id, self.incarnation, reason)
+            except FencedError:
+                pass
+
+    def __enter__(self) -> "Membership":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.leave("exited")

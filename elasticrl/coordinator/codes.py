@@ -1,0 +1,70 @@
+"""The one place where elasticrl errors and gRPC status codes are translated, both directions.
+
+The server aborts with ``status_for(exc)``; the client raises ``error_from_rpc(err)``. A trailing
+metadata entry ``elasticrl-error`` names the exact class, so codes that several classes share
+(FAILED_PRECONDITION: fenced, stale epoch, run closed) come back as the class that was raised.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from elasticrl import errors
+
+ERROR_KEY = "elasticrl-error"
+
+_CODES: dict[type[errors.ElasticRLError], grpc.StatusCode] = {
+    errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.FencedError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.RunClosedError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.AuthError: grpc.StatusCode.UNAUTHENTICATED,
+    errors.CoordinatorTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.CoordinatorUnavailableError: grpc.StatusCode.UNAVAILABLE,
+    errors.InternalError: grpc.StatusCode.INTERNAL,
+}
+_BY_NAME = {cls.__name__: cls for cls in _CODES}
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequestError,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FencedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceLimitError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.AuthError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.CoordinatorTimeoutError,
+    grpc.StatusCode.CANCELLED: errors.CoordinatorTimeoutError,
+    grpc.StatusCode.UNAVAILABLE: errors.CoordinatorUnavailableError,
+}
+
+
+def status_for(exc: errors.ElasticRLError) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
+    """The status code and trailing metadata the server sends for ``exc``."""
+    for cls in type(exc).__mro__:
+        if cls in _CODES:
+            return _CODES[cls], ((ERROR_KEY, cls.__name__),)
+    return grpc.StatusCode.INTERNAL, ((ERROR_KEY, errors.InternalError.__name__),)
+
+
+def error_from_rpc(err: grpc.RpcError, address: str) -> errors.ElasticRLError:
+    """Turn a failed call into the matching elasticrl exception (message keeps the server's words)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    detail = (err.details() if hasattr(err, "details") else None) or str(code)
+    name = None
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == ERROR_KEY:
+            name = value
+    cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, errors.InternalError)
+    if cls is errors.CoordinatorUnavailableError:
+        return cls(f"coordinator at {address} is unreachable: {detail}")
+    if cls is errors.AuthError:
+        return cls(f"coordinator at {address} refused the call: {detail} (check --token-file / ELASTICRL_TOKEN)")
+    return cls(detail)
+
+
+def is_retryable(err: BaseException) -> bool:
+    """Transport failures worth retrying with backoff: the coordinator may be restarting."""
+    return isinstance(err, grpc.RpcError) and hasattr(err, "code") and err.code() == grpc.StatusCode.UNAVAILABLE

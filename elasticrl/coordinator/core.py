@@ -1,0 +1,569 @@
+"""The coordinator's engine: applies ``policy`` decisions to ``state`` and persists them first.
+
+One ``CoordinatorCore`` lives in the server's event loop; every method runs on that loop, so no
+locks are needed. Each change follows the same order: decide, write to SQLite in one transaction,
+apply in memory, then wake whoever waits (barrier waiters, KV waiters, round waiters, watch
+streams). If the write fails the in-memory state is untouched and the request fails.
+
+No protobuf here: the gRPC servicer (``service``) validates and converts messages. Time comes
+from an injected ``clock`` so tests can drive leases and deadlines without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from elasticrl.coordinator import policy
+from elasticrl.coordinator.persist import StateDB
+from elasticrl.coordinator.state import (
+    Barrier,
+    BarrierResult,
+    Member,
+    MemberStatus,
+    Outcome,
+    RoundConfig,
+    RoundResult,
+    Run,
+    TimeoutPolicy,
+)
+from elasticrl.errors import (
+    FencedError,
+    InvalidRequestError,
+    NotFoundError,
+    ResourceLimitError,
+    RunClosedError,
+    StaleEpochError,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Limits:
+    """Per-run ceilings that keep one misbehaving client from exhausting the coordinator."""
+
+    max_members_per_run: int = 10_000
+    """Members (live or departed) one run may hold."""
+    max_kv_bytes_per_run: int = 256 << 20
+    """Sum of key and value sizes stored for one run, bytes."""
+    max_barriers_per_run: int = 1_000_000
+    """Barriers (open or decided) one run may hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A membership or round change, as a watch stream reports it."""
+
+    kind: str  # "joined", "left", "evicted", "round", "closed"
+    member: Member | None
+    epoch: int
+    reason: str
+
+
+class Watcher:
+    """A watch stream's mailbox: events since the last read, and a flag the stream awaits."""
+
+    MAX_EVENTS = 1000
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.dirty = asyncio.Event()
+
+    def push(self, event: Event) -> None:
+        self.events.append(event)
+        if len(self.events) > self.MAX_EVENTS:  # a slow reader still gets a correct snapshot
+            del self.events[: len(self.events) - self.MAX_EVENTS]
+        self.dirty.set()
+
+    def take(self) -> list[Event]:
+        events, self.events = self.events, []
+        self.dirty.clear()
+        return events
+
+
+class CoordinatorCore:
+    def __init__(
+        self,
+        db: StateDB,
+        *,
+        lease_ttl_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
+    ):
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        self.db = db
+        self.lease_ttl_s = lease_ttl_s
+        self.clock = clock
+        self.limits = limits or Limits()
+        self.started_at = clock()
+        self.runs: dict[str, Run] = db.load(clock())
+        self._barrier_events: dict[tuple[str, str], asyncio.Event] = {}
+        self._kv_events: dict[str, asyncio.Event] = {}
+        self._round_events: dict[str, asyncio.Event] = {}
+        self._watchers: dict[str, set[Watcher]] = {}
+        if self.runs:
+            live = sum(len(r.live_members()) for r in self.runs.values())
+            log.info(
+                "loaded %d run(s) with %d live member(s) from %s; each has %.1fs to reconnect",
+                len(self.runs), live, db.path, lease_ttl_s,
+            )
+
+    # -- lookups and fencing -----------------------------------------------------------------
+
+    def _run(self, run_id: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise NotFoundError(f"run_id: no run named {run_id!r} on this coordinator (join it first)")
+        return run
+
+    def _run_or_new(self, run_id: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None:
+            run = self.runs[run_id] = Run(run_id=run_id)
+        return run
+
+    def _fence(self, run: Run, member_id: str, incarnation: int, epoch: int = 0) -> Member:
+        m = run.members.get(member_id)
+        if m is None:
+            raise NotFoundError(f"member.member_id: {member_id!r} never joined run {run.run_id!r}")
+        if incarnation != m.incarnation:
+            raise FencedError(
+                f"member {member_id!r} incarnation {incarnation} is stale: incarnation "
+                f"{m.incarnation} replaced it; join again"
+            )
+        if not m.live:
+            raise FencedError(
+                f"member {member_id!r} incarnation {incarnation} is no longer live "
+                f"({m.status.value}: {m.reason}); join again"
+            )
+        if epoch and epoch < m.joined_epoch:
+            raise StaleEpochError(
+                f"epoch: {epoch} predates this incarnation's join at epoch {m.joined_epoch} "
+                f"(run epoch is {run.epoch})"
+            )
+        if epoch > run.epoch:
+            raise InvalidRequestError(f"epoch: {epoch} is from the future (run epoch is {run.epoch})")
+        return m
+
+    # -- membership --------------------------------------------------------------------------
+
+    def join(
+        self,
+        run_id: str,
+        member_id: str,
+        *,
+        host: str = "",
+        weight: float = 1.0,
+        capabilities: dict[str, str] | None = None,
+        lease_ttl_s: float = 0.0,
+    ) -> tuple[Member, int]:
+        """Admit a new incarnation of ``member_id``; a previous live one is evicted (fenced)."""
+        run = self._run_or_new(run_id)
+        if run.closed:
+            raise RunClosedError(f"run {run_id!r} is closed ({run.close_reason}); start a new run id")
+        old = run.members.get(member_id)
+        if old is None and len(run.members) >= self.limits.max_members_per_run:
+            raise ResourceLimitError(
+                f"run {run_id!r} already holds {len(run.members)} members "
+                f"(limit {self.limits.max_members_per_run})"
+            )
+        now = self.clock()
+        ttl = lease_ttl_s or self.lease_ttl_s
+        replaced = old is not None and old.live
+        epoch = run.epoch + 1 + int(replaced)
+        with self.db.tx() as db:
+            incarnation = db.next_incarnation()
+            member = Member(
+                member_id=member_id,
+                incarnation=incarnation,
+                host=host,
+                weight=weight,
+                capabilities=dict(capabilities or {}),
+                joined_epoch=epoch,
+                lease_ttl_s=ttl,
+                lease_deadline=now + ttl,
+            )
+            db.put_run(run, epoch=epoch)
+            db.put_member(run_id, member)
+        if replaced:
+            self._mark_gone(run, old, MemberStatus.EVICTED, f"replaced by incarnation {incarnation}")
+        run.epoch = epoch
+        run.members[member_id] = member
+        log.info(
+            "run %s: member %s joined (incarnation %d, host %s, weight %g) -> epoch %d, %d live",
+            run_id, member_id, incarnation, host or "?", weight, epoch, len(run.live_members()),
+        )
+        self._emit(run, Event("joined", member, epoch, ""))
+        self._after_membership_change(run)
+        return member, epoch
+
+    def keep_alive(self, run_id: str, member_id: str, incarnation: int) -> tuple[int, float]:
+        run = self._run(run_id)
+        m = self._fence(run, member_id, incarnation)
+        m.lease_deadline = self.clock() + m.lease_ttl_s  # leases are not persisted: see persist.load
+        return run.epoch, m.lease_ttl_s
+
+    def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "") -> int:
+        run = self._run(run_id)
+        m = self._fence(run, member_id, incarnation)
+        self._remove(run, m, MemberStatus.LEFT, reason or "left")
+        return run.epoch
+
+    def _remove(self, run: Run, m: Member, status: MemberStatus, reason: str) -> None:
+        """Evict or retire a live member: persist, bump the epoch, release whoever it blocked."""
+        with self.db.tx() as db:
+            db.put_member(run.run_id, m, status=status, reason=reason)
+            db.put_run(run, epoch=run.epoch + 1)
+        run.epoch += 1
+        self._mark_gone(run, m, status, reason)
+        self._after_membership_change(run)
+
+    def _mark_gone(self, run: Run, m: Member, status: MemberStatus, reason: str) -> None:
+        m.status, m.reason = status, reason
+        log.info(
+            "run %s: member %s (incarnation %d) %s: %s -> epoch %d, %d live",
+            run.run_id, m.member_id, m.incarnation, status.value, reason, run.epoch, len(run.live_members()),
+        )
+        kind = "left" if status is MemberStatus.LEFT else "evicted"
+        self._emit(run, Event(kind, m, run.epoch, reason))
+
+    def _after_membership_change(self, run: Run) -> None:
+        for barrier in list(run.barriers.values()):
+            if barrier.result is None:
+                self._decide_barrier(run, barrier)
+        rdzv = run.rendezvous
+        stale = [mid for mid, inc in rdzv.waiting.items() if not run.is_live(mid, inc)]
+        if stale:
+            for mid in stale:
+                del rdzv.waiting[mid]
+            self.db.put_rendezvous(run.run_id, rdzv)
+            self._waiting_changed(run)
+        self._decide_round(run)
+        self._notify_round(run.run_id)
+
+    def tick(self) -> None:
+        """Evict expired leases and decide whatever passed its deadline. Called every tick."""
+        now = self.clock()
+        for run in list(self.runs.values()):
+            for m in policy.expired_members(run, now):
+                self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")
+            for barrier in list(run.barriers.values()):
+                if barrier.result is None and now >= barrier.deadline:
+                    self._decide_barrier(run, barrier)
+            if run.rendezvous.waiting:
+                self._decide_round(run)
+
+    # -- barriers ----------------------------------------------------------------------------
+
+    async def arrive(
+        self,
+        run_id: str,
+        member_id: str,
+        incarnation: int,
+        name: str,
+        *,
+        epoch: int = 0,
+        timeout_s: float,
+        policy_: TimeoutPolicy = TimeoutPolicy.EVICT_MISSING,
+        wait_s: float = 0.0,
+    ) -> BarrierResult | None:
+        """Record an arrival and wait up to ``wait_s`` (0: until decided) for the barrier's result.
+
+        Returns None when the wait ran out first; arriving again keeps the same place.
+        """
+        run = self._run(run_id)
+        self._fence(run, member_id, incarnation, epoch)
+        barrier = run.barriers.get(name)
+        if barrier is None:
+            if len(run.barriers) >= self.limits.max_barriers_per_run:
+                raise ResourceLimitError(f"run {run_id!r} holds {len(run.barriers)} barriers (limit reached)")
+            expected = {mid: m.incarnation for mid, m in run.live_members().items()}
+            barrier = Barrier(name, timeout_s, policy_, expected, {}, self.clock())
+            with self.db.tx() as db:
+                db.put_barrier(run_id, barrier)
+                db.put_arrival(run_id, name, member_id, incarnation)
+            run.barriers[name] = barrier
+            barrier.arrived[member_id] = incarnation
+            self._decide_barrier(run, barrier)
+        elif barrier.result is None and barrier.arrived.get(member_id) != incarnation:
+            with self.db.tx() as db:
+                db.put_arrival(run_id, name, member_id, incarnation)
+            barrier.arrived[member_id] = incarnation
+            self._decide_barrier(run, barrier)
+        if barrier.result is not None:
+            return barrier.result
+        event = self._barrier_events.setdefault((run_id, name), asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), wait_s if wait_s > 0 else None)
+        except asyncio.TimeoutError:
+            pass
+        return barrier.result
+
+    def _decide_barrier(self, run: Run, barrier: Barrier) -> None:
+        decision = policy.decide_barrier(barrier, run, self.clock())
+        if decision.result is None:
+            return
+        for mid in decision.evict:
+            self._remove_for_barrier(run, mid, barrier)
+        with self.db.tx() as db:
+            db.put_barrier(run.run_id, barrier, decision.result)
+        barrier.result = decision.result
+        if decision.result.outcome is Outcome.TIMED_OUT or decision.result.evicted:
+            log.warning("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
+        else:
+            log.debug("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
+        event = self._barrier_events.pop((run.run_id, barrier.name), None)
+        if event is not None:
+            event.set()
+
+    def _remove_for_barrier(self, run: Run, member_id: str, barrier: Barrier) -> None:
+        m = run.members[member_id]
+        reason = f"missed barrier {barrier.name!r} (timeout {barrier.timeout_s:.3f}s)"
+        with self.db.tx() as db:
+            db.put_member(run.run_id, m, status=MemberStatus.EVICTED, reason=reason)
+            db.put_run(run, epoch=run.epoch + 1)
+        run.epoch += 1
+        self._mark_gone(run, m, MemberStatus.EVICTED, reason)
+
+    # -- key-value store ---------------------------------------------------------------------
+
+    def kv_set(self, run_id: str, pairs: list[tuple[bytes, bytes]]) -> None:
+        run = self._run_or_new(run_id)
+        pairs = list(dict(pairs).items())  # the last value of a repeated key wins, counted once
+        grow = sum(len(k) + len(v) - (len(k) + len(run.kv[k]) if k in run.kv else 0) for k, v in pairs)
+        self._check_kv_room(run, grow)
+        with self.db.tx() as db:
+            db.put_run(run)
+            db.put_kv(run_id, pairs)
+        for k, v in pairs:
+            run.kv[k] = v
+        run.kv_bytes += grow
+        self._notify_kv(run_id)
+
+    def _check_kv_room(self, run: Run, grow: int) -> None:
+        if run.kv_bytes + grow > self.limits.max_kv_bytes_per_run:
+            raise ResourceLimitError(
+                f"run {run.run_id!r} would hold {run.kv_bytes + grow} KV bytes "
+                f"(limit {self.limits.max_kv_bytes_per_run}); delete keys or use a new run"
+            )
+
+    def kv_get(self, run_id: str, keys: list[bytes]) -> tuple[list[bytes | None], list[bytes]]:
+        run = self.runs.get(run_id)
+        kv = run.kv if run is not None else {}
+        values = [kv.get(k) for k in keys]
+        return values, [k for k, v in zip(keys, values) if v is None]
+
+    async def kv_wait(self, run_id: str, keys: list[bytes], wait_s: float) -> list[bytes]:
+        """Return the values of ``keys`` once all exist; CoordinatorTimeoutError after ``wait_s``."""
+        from elasticrl.errors import CoordinatorTimeoutError
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            values, missing = self.kv_get(run_id, keys)
+            if not missing:
+                return values  # type: ignore[return-value]
+            left = deadline - loop.time()
+            if left <= 0:
+                shown = ", ".join(repr(k) for k in missing[:5])
+                raise CoordinatorTimeoutError(f"keys not set within {wait_s:.3f}s: {shown}")
+            event = self._kv_events.setdefault(run_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def kv_compare_set(self, run_id: str, key: bytes, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
+        """torch.distributed.Store semantics (see the proto comment)."""
+        run = self._run_or_new(run_id)
+        current = run.kv.get(key)
+        if (current is None and expected == b"") or (current is not None and current == expected):
+            self.kv_set(run_id, [(key, desired)])
+            return desired, True
+        return (expected if current is None else current), False
+
+    def kv_add(self, run_id: str, key: bytes, delta: int) -> int:
+        run = self._run_or_new(run_id)
+        current = run.kv.get(key, b"0")
+        try:
+            value = int(current) + delta
+        except ValueError:
+            raise InvalidRequestError(
+                f"key: {key!r} holds {current[:32]!r}, not a decimal integer, so it cannot be added to"
+            ) from None
+        if not -(2**63) <= value < 2**63:
+            raise InvalidRequestError(f"delta: {key!r} would overflow int64 ({value})")
+        self.kv_set(run_id, [(key, str(value).encode())])
+        return value
+
+    def kv_delete(self, run_id: str, key: bytes) -> bool:
+        run = self.runs.get(run_id)
+        if run is None or key not in run.kv:
+            return False
+        with self.db.tx() as db:
+            db.delete_kv(run_id, key)
+        run.kv_bytes -= len(key) + len(run.kv.pop(key))
+        return True
+
+    def kv_num_keys(self, run_id: str) -> int:
+        run = self.runs.get(run_id)
+        return 0 if run is None else len(run.kv)
+
+    def _notify_kv(self, run_id: str) -> None:
+        event = self._kv_events.pop(run_id, None)
+        if event is not None:
+            event.set()
+
+    # -- rendezvous rounds -------------------------------------------------------------------
+
+    async def round_join(
+        self,
+        run_id: str,
+        member_id: str,
+        incarnation: int,
+        config: RoundConfig,
+        *,
+        after_round: int,
+        wait_s: float,
+    ) -> RoundResult:
+        run = self._run(run_id)
+        if run.closed:
+            return RoundResult("closed", reason=f"run {run_id!r} is closed: {run.close_reason}")
+        self._fence(run, member_id, incarnation)
+        rdzv = run.rendezvous
+        if rdzv.config is None:
+            rdzv.config = config
+        elif (rdzv.config.min_nodes, rdzv.config.max_nodes) != (config.min_nodes, config.max_nodes):
+            raise InvalidRequestError(
+                f"config: --nnodes={config.min_nodes}:{config.max_nodes} differs from the run's "
+                f"{rdzv.config.min_nodes}:{rdzv.config.max_nodes}; every node must pass the same --nnodes"
+            )
+        if member_id in rdzv.timed_out:
+            return RoundResult("timed_out", reason=rdzv.timed_out.pop(member_id))
+        done = self._round_result(run, member_id, incarnation, after_round)
+        if done is not None:
+            return done
+        if rdzv.waiting.get(member_id) != incarnation:
+            rdzv.waiting[member_id] = incarnation
+            self.db.put_rendezvous(run_id, rdzv)
+            self._waiting_changed(run)
+            log.info("run %s: %s waits for round %d (%d waiting)", run_id, member_id, rdzv.round + 1, len(rdzv.waiting))
+            self._decide_round(run)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            if run.closed:
+                return RoundResult("closed", reason=f"run {run_id!r} is closed: {run.close_reason}")
+            if member_id in rdzv.timed_out:
+                return RoundResult("timed_out", reason=rdzv.timed_out.pop(member_id))
+            if not run.is_live(member_id, incarnation):
+                self._fence(run, member_id, incarnation)  # raises FencedError with the reason
+            done = self._round_result(run, member_id, incarnation, after_round)
+            if done is not None:
+                return done
+            left = deadline - loop.time()
+            if left <= 0:
+                return RoundResult("waiting", rdzv.round, reason=f"{len(rdzv.waiting)} node(s) waiting")
+            event = self._round_events.setdefault(run_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    @staticmethod
+    def _round_result(run: Run, member_id: str, incarnation: int, after_round: int) -> RoundResult | None:
+        rdzv = run.rendezvous
+        if rdzv.round <= after_round:
+            return None
+        for rank, (mid, inc) in enumerate(rdzv.participants):
+            if mid == member_id and inc == incarnation:
+                ids = tuple(m for m, _ in rdzv.participants)
+                return RoundResult("complete", rdzv.round, rank, ids, f"round {rdzv.round}")
+        return None
+
+    def _waiting_changed(self, run: Run) -> None:
+        rdzv, now = run.rendezvous, self.clock()
+        n = len(rdzv.waiting)
+        if n == 0:
+            rdzv.waiting_since = rdzv.min_reached_at = None
+        else:
+            if rdzv.waiting_since is None:
+                rdzv.waiting_since = now
+            if rdzv.config is not None and n >= rdzv.config.min_nodes:
+                if rdzv.min_reached_at is None:
+                    rdzv.min_reached_at = now
+            else:
+                rdzv.min_reached_at = None
+        self._emit(run, Event("round", None, run.epoch, f"{n} waiting"))
+
+    def _decide_round(self, run: Run) -> None:
+        rdzv = run.rendezvous
+        decision = policy.decide_round(rdzv, run, self.clock())
+        if decision.action == "wait":
+            return
+        if decision.action == "timeout":
+            log.warning("run %s: pending round timed out: %s", run.run_id, decision.reason)
+            for mid in rdzv.waiting:
+                rdzv.timed_out[mid] = decision.reason
+            rdzv.waiting.clear()
+            self.db.put_rendezvous(run.run_id, rdzv)
+        else:
+            chosen = {m for m, _ in decision.participants}
+            new_waiting = {m: i for m, i in rdzv.waiting.items() if m not in chosen}
+            participants = list(decision.participants)
+            with self.db.tx() as db:
+                saved = (rdzv.round, rdzv.participants, rdzv.waiting)
+                rdzv.round, rdzv.participants, rdzv.waiting = rdzv.round + 1, participants, new_waiting
+                try:
+                    db.put_rendezvous(run.run_id, rdzv)
+                except Exception:
+                    rdzv.round, rdzv.participants, rdzv.waiting = saved
+                    raise
+            log.info(
+                "run %s: round %d complete with %d node(s) [%s]: %s",
+                run.run_id, rdzv.round, len(participants), ", ".join(m for m, _ in participants), decision.reason,
+            )
+        self._waiting_changed(run)
+        self._notify_round(run.run_id)
+
+    def _notify_round(self, run_id: str) -> None:
+        event = self._round_events.pop(run_id, None)
+        if event is not None:
+            event.set()
+
+    def close_run(self, run_id: str, reason: str) -> None:
+        run = self._run(run_id)
+        if run.closed:
+            return
+        with self.db.tx() as db:
+            db.put_run(run, closed=True, reason=reason or "closed")
+        run.closed, run.close_reason = True, reason or "closed"
+        log.info("run %s closed: %s", run_id, run.close_reason)
+        self._emit(run, Event("closed", None, run.epoch, run.close_reason))
+        self._notify_round(run_id)
+
+    # -- watch -------------------------------------------------------------------------------
+
+    def subscribe(self, run_id: str) -> Watcher:
+        watcher = Watcher()
+        self._watchers.setdefault(run_id, set()).add(watcher)
+        return watcher
+
+    def unsubscribe(self, run_id: str, watcher: Watcher) -> None:
+        watchers = self._watchers.get(run_id)
+        if watchers is not None:
+            watchers.discard(watcher)
+            if not watchers:
+                del self._watchers[run_id]
+
+    def _emit(self, run: Run, event: Event) -> None:
+        for watcher in self._watchers.get(run.run_id, ()):
+            watcher.push(event)
+
+    def lease_left_s(self, m: Member) -> float:
+        return max(0.0, m.lease_deadline - self.clock()) if m.live else 0.0

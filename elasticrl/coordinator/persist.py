@@ -1,0 +1,260 @@
+"""Durable coordinator state in SQLite (WAL mode) under ``--state-dir``.
+
+Every change is written here, in one transaction, before the in-memory state changes and before
+the request is acknowledged, so ``kill -9`` at any moment loses nothing that a client was told
+happened. Monotonic times are not stored (a restarted process has a new clock): on load, leases
+and deadlines are granted afresh, which gives every member one lease period to reconnect.
+
+Values are protobuf-free: JSON for small structured columns, raw bytes for KV. No pickle.
+
+``synchronous=NORMAL`` survives a process crash (the WAL is in the OS page cache); pass
+``fsync=True`` (``--fsync``) for ``synchronous=FULL`` when the machine itself may lose power.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import sqlite3
+
+from elasticrl.coordinator.state import (
+    Barrier,
+    BarrierResult,
+    Member,
+    MemberStatus,
+    Outcome,
+    Rendezvous,
+    RoundConfig,
+    Run,
+    TimeoutPolicy,
+)
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, closed INTEGER NOT NULL, close_reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS members (
+    run_id TEXT NOT NULL, member_id TEXT NOT NULL, incarnation INTEGER NOT NULL, host TEXT NOT NULL,
+    weight REAL NOT NULL, capabilities TEXT NOT NULL, joined_epoch INTEGER NOT NULL,
+    lease_ttl_s REAL NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL,
+    PRIMARY KEY (run_id, member_id));
+CREATE TABLE IF NOT EXISTS kv (
+    run_id TEXT NOT NULL, key BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY (run_id, key));
+CREATE TABLE IF NOT EXISTS barriers (
+    run_id TEXT NOT NULL, name TEXT NOT NULL, timeout_s REAL NOT NULL, policy TEXT NOT NULL,
+    expected TEXT NOT NULL, result TEXT, PRIMARY KEY (run_id, name));
+CREATE TABLE IF NOT EXISTS arrivals (
+    run_id TEXT NOT NULL, name TEXT NOT NULL, member_id TEXT NOT NULL, incarnation INTEGER NOT NULL,
+    PRIMARY KEY (run_id, name, member_id));
+CREATE TABLE IF NOT EXISTS rendezvous (run_id TEXT PRIMARY KEY, state TEXT NOT NULL);
+"""
+
+
+class StateDB:
+    """A thin, synchronous writer/reader of the coordinator's tables.
+
+    Callers group the writes of one change with ``with db.tx():`` so they commit together.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, *, fsync: bool = False):
+        # path None: an in-memory database (tests and benchmarks that do not need durability).
+        self.path = None if path is None else pathlib.Path(path)
+        target = ":memory:" if path is None else str(path)
+        self._conn = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        self._conn.executescript(_SCHEMA)
+        version = self._meta("schema_version")
+        if version is None:
+            self._set_meta("schema_version", str(SCHEMA_VERSION))
+        elif int(version) != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{path}: state schema version {version}, this coordinator reads {SCHEMA_VERSION}; "
+                "start with a fresh --state-dir"
+            )
+        self._depth = 0
+
+    # -- transactions ------------------------------------------------------------------------
+
+    def tx(self) -> "_Tx":
+        return _Tx(self)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _meta(self, key: str) -> str | None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def _set_meta(self, key: str, value: str) -> None:
+        self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    # -- writes (call inside tx) -------------------------------------------------------------
+
+    def next_incarnation(self) -> int:
+        value = int(self._meta("incarnation") or 0) + 1
+        self._set_meta("incarnation", str(value))
+        return value
+
+    def put_run(self, run: Run, *, epoch: int | None = None, closed: bool | None = None, reason: str | None = None) -> None:
+        self._conn.execute(
+            "INSERT OR REPLACE INTO runs(run_id, epoch, closed, close_reason) VALUES (?, ?, ?, ?)",
+            (
+                run.run_id,
+                run.epoch if epoch is None else epoch,
+                int(run.closed if closed is None else closed),
+                run.close_reason if reason is None else reason,
+            ),
+        )
+
+    def put_member(self, run_id: str, m: Member, *, status: MemberStatus | None = None, reason: str | None = None) -> None:
+        self._conn.execute(
+            "INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                run_id,
+                m.member_id,
+                m.incarnation,
+                m.host,
+                m.weight,
+                json.dumps(m.capabilities, sort_keys=True),
+                m.joined_epoch,
+                m.lease_ttl_s,
+                (status or m.status).value,
+                m.reason if reason is None else reason,
+            ),
+        )
+
+    def put_kv(self, run_id: str, pairs: list[tuple[bytes, bytes]]) -> None:
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO kv(run_id, key, value) VALUES (?, ?, ?)",
+            [(run_id, k, v) for k, v in pairs],
+        )
+
+    def delete_kv(self, run_id: str, key: bytes) -> None:
+        self._conn.execute("DELETE FROM kv WHERE run_id=? AND key=?", (run_id, key))
+
+    def put_barrier(self, run_id: str, b: Barrier, result: BarrierResult | None = None) -> None:
+        res = result or b.result
+        self._conn.execute(
+            "INSERT OR REPLACE INTO barriers VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                run_id,
+                b.name,
+                b.timeout_s,
+                b.policy.value,
+                json.dumps(b.expected, sort_keys=True),
+                None if res is None else json.dumps(_result_to_json(res)),
+            ),
+        )
+
+    def put_arrival(self, run_id: str, name: str, member_id: str, incarnation: int) -> None:
+        self._conn.execute(
+            "INSERT OR REPLACE INTO arrivals VALUES (?, ?, ?, ?)", (run_id, name, member_id, incarnation)
+        )
+
+    def put_rendezvous(self, run_id: str, rdzv: Rendezvous) -> None:
+        cfg = rdzv.config
+        state = {
+            "config": None if cfg is None else [cfg.min_nodes, cfg.max_nodes, cfg.last_call_s, cfg.join_timeout_s],
+            "round": rdzv.round,
+            "participants": rdzv.participants,
+            "waiting": list(rdzv.waiting.items()),
+        }
+        self._conn.execute(
+            "INSERT OR REPLACE INTO rendezvous(run_id, state) VALUES (?, ?)", (run_id, json.dumps(state))
+        )
+
+    # -- load --------------------------------------------------------------------------------
+
+    def load(self, now: float) -> dict[str, Run]:
+        """Rebuild every run; live leases and open deadlines restart from ``now`` (the grace period)."""
+        runs: dict[str, Run] = {}
+        for run_id, epoch, closed, reason in self._conn.execute("SELECT * FROM runs"):
+            runs[run_id] = Run(run_id=run_id, epoch=epoch, closed=bool(closed), close_reason=reason)
+        for row in self._conn.execute("SELECT * FROM members"):
+            run_id, mid, inc, host, weight, caps, joined, ttl, status, reason = row
+            runs[run_id].members[mid] = Member(
+                member_id=mid,
+                incarnation=inc,
+                host=host,
+                weight=weight,
+                capabilities=json.loads(caps),
+                joined_epoch=joined,
+                lease_ttl_s=ttl,
+                lease_deadline=now + ttl,
+                status=MemberStatus(status),
+                reason=reason,
+            )
+        for run_id, key, value in self._conn.execute("SELECT * FROM kv"):
+            run = runs[run_id]
+            run.kv[bytes(key)] = bytes(value)
+            run.kv_bytes += len(key) + len(value)
+        for run_id, name, timeout_s, policy, expected, result in self._conn.execute("SELECT * FROM barriers"):
+            runs[run_id].barriers[name] = Barrier(
+                name=name,
+                timeout_s=timeout_s,
+                policy=TimeoutPolicy(policy),
+                expected={k: int(v) for k, v in json.loads(expected).items()},
+                arrived={},
+                opened_at=now,
+                result=None if result is None else _result_from_json(json.loads(result)),
+            )
+        for run_id, name, mid, inc in self._conn.execute("SELECT * FROM arrivals"):
+            barrier = runs[run_id].barriers.get(name)
+            if barrier is not None:
+                barrier.arrived[mid] = inc
+        for run_id, state in self._conn.execute("SELECT * FROM rendezvous"):
+            s = json.loads(state)
+            rdzv = runs[run_id].rendezvous
+            rdzv.config = None if s["config"] is None else RoundConfig(*s["config"])
+            rdzv.round = s["round"]
+            rdzv.participants = [(m, int(i)) for m, i in s["participants"]]
+            rdzv.waiting = {m: int(i) for m, i in s["waiting"]}
+            rdzv.waiting_since = now if rdzv.waiting else None
+        return runs
+
+
+class _Tx:
+    """Re-entrant transaction: the outermost ``with`` commits, an exception rolls back."""
+
+    def __init__(self, db: StateDB):
+        self._db = db
+
+    def __enter__(self) -> StateDB:
+        if self._db._depth == 0:
+            self._db._conn.execute("BEGIN")
+        self._db._depth += 1
+        return self._db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._db._depth -= 1
+        if self._db._depth == 0:
+            self._db._conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _result_to_json(r: BarrierResult) -> dict:
+    return {
+        "outcome": r.outcome.value,
+        "arrived": r.arrived,
+        "evicted": r.evicted,
+        "missing": r.missing,
+        "epoch": r.epoch,
+        "reason": r.reason,
+    }
+
+
+def _result_from_json(d: dict) -> BarrierResult:
+    return BarrierResult(
+        outcome=Outcome(d["outcome"]),
+        arrived=list(d["arrived"]),
+        evicted=list(d["evicted"]),
+        missing=list(d["missing"]),
+        epoch=int(d["epoch"]),
+        reason=str(d["reason"]),
+    )

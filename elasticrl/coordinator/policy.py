@@ -1,0 +1,201 @@
+"""Pure decisions of the coordinator: functions of (state, now) that return a decision and a reason.
+
+Nothing here reads a clock, touches a socket or writes to disk, so every timing rule (lease
+expiry, barrier release and timeout, rendezvous completion) is tested with an injected ``now``
+and no sleeps (``tests/unit/test_policy.py``). ``core`` applies the decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elasticrl.coordinator.state import (
+    Barrier,
+    BarrierResult,
+    Member,
+    Outcome,
+    Rendezvous,
+    Run,
+    TimeoutPolicy,
+)
+
+
+def expired_members(run: Run, now: float) -> list[Member]:
+    """Live members whose lease deadline has passed, oldest deadline first."""
+    gone = [m for m in run.members.values() if m.live and now >= m.lease_deadline]
+    return sorted(gone, key=lambda m: m.lease_deadline)
+
+
+def next_deadline(run: Run) -> float | None:
+    """The earliest moment at which something in ``run`` may need a decision without a request."""
+    times = [m.lease_deadline for m in run.members.values() if m.live]
+    times += [b.deadline for b in run.barriers.values() if b.result is None]
+    rdzv = run.rendezvous
+    if rdzv.config is not None and rdzv.waiting:
+        if rdzv.min_reached_at is not None:
+            times.append(rdzv.min_reached_at + rdzv.config.last_call_s)
+        if rdzv.waiting_since is not None:
+            times.append(rdzv.waiting_since + rdzv.config.join_timeout_s)
+    return min(times) if times else None
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierDecision:
+    """``result`` is None while the barrier must keep waiting; ``evict`` lists members to remove."""
+
+    result: BarrierResult | None
+    evict: tuple[str, ...]
+    reason: str
+
+
+def decide_barrier(barrier: Barrier, run: Run, now: float) -> BarrierDecision:
+    """Decide whether ``barrier`` can be released.
+
+    A barrier waits for the members that were live when it opened (``expected``). An expected
+    member whose incarnation is no longer live never blocks it and is reported as evicted. At the
+    deadline the policy either evicts the stragglers and completes (EVICT_MISSING) or reports them
+    with outcome TIMED_OUT (REPORT).
+    """
+    if barrier.result is not None:
+        return BarrierDecision(barrier.result, (), "already decided")
+    gone = sorted(m for m, inc in barrier.expected.items() if not run.is_live(m, inc))
+    waiting_for = sorted(
+        m
+        for m, inc in barrier.expected.items()
+        if run.is_live(m, inc) and barrier.arrived.get(m) != inc
+    )
+    arrived = sorted(m for m, inc in barrier.arrived.items() if run.is_live(m, inc))
+    if not waiting_for:
+        reason = f"all {len(arrived)} live members arrived"
+        if gone:
+            reason += f"; {len(gone)} expected member(s) gone: {', '.join(gone)}"
+        return BarrierDecision(
+            BarrierResult(Outcome.COMPLETED, arrived, gone, [], run.epoch, reason), (), reason
+        )
+    if now < barrier.deadline:
+        return BarrierDecision(None, (), f"waiting for {len(waiting_for)} member(s)")
+    late = ", ".join(waiting_for)
+    if barrier.policy is TimeoutPolicy.REPORT:
+        reason = f"timed out after {barrier.timeout_s:.3f}s; missing: {late}"
+        result = BarrierResult(Outcome.TIMED_OUT, arrived, gone, waiting_for, run.epoch, reason)
+        return BarrierDecision(result, (), reason)
+    reason = f"timed out after {barrier.timeout_s:.3f}s; evicted the missing: {late}"
+    # The epoch is the one after the evictions; core bumps it once per evicted member.
+    result = BarrierResult(
+        Outcome.COMPLETED,
+        arrived,
+        sorted(gone + waiting_for),
+        waiting_for,
+        run.epoch + len(waiting_for),
+        reason,
+    )
+    return BarrierDecision(result, tuple(waiting_for), reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundDecision:
+    """``action`` is "complete", "timeout" or "wait"; ``participants`` is in rank order."""
+
+    action: str
+    participants: tuple[tuple[str, int], ...]
+    reason: str
+
+
+def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
+    """Decide whether the pending rendezvous round completes now.
+
+    Complete when max_nodes are waiting; or when min_nodes are waiting and every live participant
+    of the previous round is among them (a re-form after a failure needs no last-call wait); or
+    when min_nodes have been waiting for the last-call window. Time out when min_nodes were not
+    reached within the join timeout of the first waiter.
+    """
+    cfg = rdzv.config
+    waiting = [(m, inc) for m, inc in rdzv.waiting.items() if run.is_live(m, inc)]
+    if cfg is None or not waiting:
+        return RoundDecision("wait", (), "nobody is waiting")
+    n = len(waiting)
+    if n >= cfg.min_nodes:
+        if n >= cfg.max_nodes:
+            chosen = _prefer_previous(rdzv.participants, waiting)[: cfg.max_nodes]
+            return RoundDecision(
+                "complete", assign_ranks(rdzv.participants, chosen), f"max_nodes={cfg.max_nodes} joined"
+            )
+        ids = {m for m, _ in waiting}
+        prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
+        if rdzv.round > 0 and prev_live and all(m in ids for m in prev_live):
+            return RoundDecision(
+                "complete",
+                assign_ranks(rdzv.participants, waiting),
+                f"all {len(prev_live)} live participant(s) of round {rdzv.round} rejoined, {n} node(s) in all",
+            )
+        started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
+        if now >= started + cfg.last_call_s:
+            return RoundDecision(
+                "complete",
+                assign_ranks(rdzv.participants, waiting),
+                f"last call ({cfg.last_call_s:.3f}s) closed with {n} node(s)",
+            )
+        return RoundDecision("wait", (), f"{n} node(s) waiting, last call open")
+    since = rdzv.waiting_since if rdzv.waiting_since is not None else now
+    if now >= since + cfg.join_timeout_s:
+        return RoundDecision(
+            "timeout",
+            (),
+            f"only {n} of min_nodes={cfg.min_nodes} joined within the join timeout of {cfg.join_timeout_s:.1f}s",
+        )
+    return RoundDecision("wait", (), f"{n} of min_nodes={cfg.min_nodes} waiting")
+
+
+def _prefer_previous(
+    previous: list[tuple[str, int]], waiting: list[tuple[str, int]]
+) -> list[tuple[str, int]]:
+    prev_ids = {m for m, _ in previous}
+    return [w for w in waiting if w[0] in prev_ids] + [w for w in waiting if w[0] not in prev_ids]
+
+
+def assign_ranks(
+    previous: list[tuple[str, int]], joined: list[tuple[str, int]]
+) -> tuple[tuple[str, int], ...]:
+    """Order ``joined`` by rank, keeping each node's previous rank where it still fits.
+
+    Nodes whose previous rank is below the new world size keep it; the remaining slots are filled
+    first by the other previous participants (in their old rank order), then by newcomers in the
+    order they joined.
+    """
+    n = len(joined)
+    prev_rank = {m: r for r, (m, _) in enumerate(previous)}
+    slots: list[tuple[str, int] | None] = [None] * n
+    rest = []
+    for node in joined:
+        r = prev_rank.get(node[0])
+        if r is not None and r < n and slots[r] is None:
+            slots[r] = node
+        else:
+            rest.append(node)
+    rest.sort(key=lambda node: (0, prev_rank[node[0]]) if node[0] in prev_rank else (1, 0))
+    free = iter(i for i, s in enumerate(slots) if s is None)
+    for node in rest:
+        slots[next(free)] = node
+    return tuple(s for s in slots if s is not None)
+
+
+def nodes_waiting(
+    my_round: int,
+    round_no: int,
+    participants: list[str],
+    waiting: list[str],
+    lost: list[str],
+    max_nodes: int,
+) -> int:
+    """How many nodes want the current round re-formed, as torchrun's ``num_nodes_waiting`` means it.
+
+    Counts participants of the current round that are gone (so survivors restart at once instead
+    of hanging in a collective), waiting nodes while the round has room for them, and one more when
+    a newer round than ``my_round`` has already completed without this node.
+    """
+    count = len(lost)
+    if waiting and (len(participants) - len(lost)) < max_nodes:
+        count += len(waiting)
+    if round_no > my_round:
+        count += 1
+    return count

@@ -1,0 +1,205 @@
+"""The ``elasticrl coordinator`` process: a grpc.aio server around ``CoordinatorCore``.
+
+It binds to 127.0.0.1 unless told otherwise, serves the standard gRPC health service, checks a
+shared token when ``--token-file`` is given, uses TLS when ``--tls-cert/--tls-key`` are, ticks the
+core (lease expiry, barrier and round deadlines) every ``tick_s``, and shuts down cleanly on
+SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import pathlib
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
+from elasticrl.coordinator.core import CoordinatorCore, Limits
+from elasticrl.coordinator.persist import StateDB
+from elasticrl.coordinator.service import CoordinatorServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "elasticrl.v1.Coordinator"
+MAX_MESSAGE_BYTES = 16 << 20
+STATE_FILE = "coordinator.sqlite"
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+@dataclasses.dataclass(kw_only=True)
+class CoordinatorConfig:
+    """Settings of one coordinator process (each maps to an ``elasticrl coordinator`` flag)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind. 0.0.0.0 exposes the coordinator to the network: use a token and TLS."""
+    port: int = 50051
+    """TCP port; 0 picks a free one (written to ``port_file``)."""
+    state_dir: str | None = None
+    """Directory for the SQLite state; None keeps state in memory only (lost on restart)."""
+    lease_ttl_s: float = 5.0
+    """Default member lease, seconds: a member silent this long is evicted."""
+    tick_s: float = 0.05
+    """How often leases and deadlines are checked, seconds (eviction lags the TTL by at most this)."""
+    token_file: str | None = None
+    """File whose first line is the shared token every call must carry."""
+    tls_cert: str | None = None
+    """PEM certificate chain; with ``tls_key``, serve TLS only."""
+    tls_key: str | None = None
+    """PEM private key for ``tls_cert``."""
+    fsync: bool = False
+    """SQLite synchronous=FULL: survive power loss, at a cost per write."""
+    port_file: str | None = None
+    """Write the bound port here once serving (atomically), for scripts that bind port 0."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} is not a TCP port (0-65535)")
+        if self.lease_ttl_s < 0.1:
+            raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s is too short; use at least 0.1 s")
+        if not 0.001 <= self.tick_s <= self.lease_ttl_s:
+            raise ValueError(f"tick_s: {self.tick_s}s must be between 1 ms and the lease TTL ({self.lease_ttl_s}s)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: pass both or neither")
+
+    def read_token(self) -> str | None:
+        if self.token_file is None:
+            return None
+        token = pathlib.Path(self.token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"token_file: {self.token_file} is empty")
+        return token
+
+
+def read_tls(cert: str, key: str) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())])
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse calls whose ``authorization`` metadata is not ``Bearer <token>`` (health is exempt)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        sent = sent.encode() if isinstance(sent, str) else sent
+        if hmac.compare_digest(sent, self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        message = "missing or wrong token (send 'authorization: Bearer <token>')"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        if handler is not None and handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class CoordinatorServer:
+    """Owns the gRPC server, the core and the tick task. ``start`` then ``wait_closed`` or ``stop``."""
+
+    def __init__(self, config: CoordinatorConfig, *, limits: Limits | None = None):
+        self.config = config
+        state_path = None
+        if config.state_dir is not None:
+            os.makedirs(config.state_dir, exist_ok=True)
+            state_path = os.path.join(config.state_dir, STATE_FILE)
+        self.db = StateDB(state_path, fsync=config.fsync)
+        self.core = CoordinatorCore(self.db, lease_ttl_s=config.lease_ttl_s, limits=limits)
+        token = config.read_token()
+        interceptors = [TokenInterceptor(token)] if token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.core), self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert:
+            self.port = self.server.add_secure_port(address, read_tls(config.tls_cert, config.tls_key))
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address} (in use, or not an address of this host?)")
+        self._tick_task: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
+        if self.config.port_file:
+            tmp = f"{self.config.port_file}.tmp"
+            pathlib.Path(tmp).write_text(f"{self.port}\n")
+            os.replace(tmp, self.config.port_file)
+        log.info(
+            "elasticrl coordinator serving on %s (%s, lease ttl %.3fs, state %s%s)",
+            self.address,
+            "tls" if self.config.tls_cert else "plaintext",
+            self.config.lease_ttl_s,
+            self.db.path or "in memory (not durable)",
+            ", token required" if self.config.token_file else "",
+        )
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                self.core.tick()
+            except Exception:  # noqa: BLE001 - one bad tick must not stop eviction for good
+                log.exception("coordinator tick failed; retrying next tick")
+            await asyncio.sleep(self.config.tick_s)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            try:
+                await self._tick_task
+            except asyncio.CancelledError:
+                pass
+        self.db.close()
+        log.info("elasticrl coordinator on %s stopped", self.address)
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    """Run a coordinator until SIGTERM or SIGINT."""
+    server = CoordinatorServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received, shutting down")
+    await server.stop()

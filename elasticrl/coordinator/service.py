@@ -1,0 +1,337 @@
+"""gRPC servicer: validates and converts messages, calls ``core``, maps errors. No decisions here.
+
+Every handler is wrapped so that an ``ElasticRLError`` becomes its status code (``codes``) and any
+other exception becomes INTERNAL with its description, logged with a traceback: a bad request can
+fail its own call but never the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+
+from elasticrl import __version__
+from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
+from elasticrl.coordinator import codes, validate as v
+from elasticrl.coordinator.core import CoordinatorCore, Event
+from elasticrl.coordinator.state import Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy
+from elasticrl.errors import ElasticRLError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+DEFAULT_LAST_CALL_S = 2.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+WATCH_HEARTBEAT_S = 15.0
+
+_MEMBER_STATE = {
+    MemberStatus.LIVE: pb.MEMBER_STATE_LIVE,
+    MemberStatus.LEFT: pb.MEMBER_STATE_LEFT,
+    MemberStatus.EVICTED: pb.MEMBER_STATE_EVICTED,
+}
+_EVENT_TYPE = {
+    "joined": pb.EVENT_TYPE_JOINED,
+    "left": pb.EVENT_TYPE_LEFT,
+    "evicted": pb.EVENT_TYPE_EVICTED,
+    "round": pb.EVENT_TYPE_ROUND,
+    "closed": pb.EVENT_TYPE_CLOSED,
+}
+_POLICY = {
+    pb.TIMEOUT_POLICY_UNSPECIFIED: TimeoutPolicy.EVICT_MISSING,
+    pb.TIMEOUT_POLICY_EVICT_MISSING: TimeoutPolicy.EVICT_MISSING,
+    pb.TIMEOUT_POLICY_REPORT: TimeoutPolicy.REPORT,
+}
+_ROUND_STATUS = {
+    "complete": pb.ROUND_STATUS_COMPLETE,
+    "waiting": pb.ROUND_STATUS_WAITING,
+    "timed_out": pb.ROUND_STATUS_TIMED_OUT,
+    "closed": pb.ROUND_STATUS_CLOSED,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, ElasticRLError):
+        code, trailing = codes.status_for(exc)
+        await context.abort(code, str(exc), trailing_metadata=trailing)
+    log.exception("internal error in %s", type(exc).__name__, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _guarded(handler):
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, never escapes
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await _abort(context, exc)
+
+    return wrapper
+
+
+def _member_ref(field: str, ref: pb.MemberRef) -> tuple[str, int]:
+    return v.ident(f"{field}.member_id", ref.member_id), v.incarnation(f"{field}.incarnation", ref.incarnation)
+
+
+def member_info(core: CoordinatorCore, m: Member) -> pb.MemberInfo:
+    return pb.MemberInfo(
+        member_id=m.member_id,
+        incarnation=m.incarnation,
+        host=m.host,
+        weight=m.weight,
+        capabilities=m.capabilities,
+        state=_MEMBER_STATE[m.status],
+        lease_left_ms=int(core.lease_left_s(m) * 1000),
+        joined_epoch=m.joined_epoch,
+        reason=m.reason,
+    )
+
+
+def run_snapshot(core: CoordinatorCore, run: Run) -> pb.RunSnapshot:
+    rdzv = run.rendezvous
+    cfg = rdzv.config
+    return pb.RunSnapshot(
+        run_id=run.run_id,
+        epoch=run.epoch,
+        closed=run.closed,
+        members=[member_info(core, m) for m in run.live_members().values()],
+        round=pb.RoundInfo(
+            round=rdzv.round,
+            participants=[m for m, _ in rdzv.participants],
+            waiting=list(rdzv.waiting),
+            lost=[m for m, inc in rdzv.participants if not run.is_live(m, inc)],
+            config=None
+            if cfg is None
+            else pb.RoundConfig(
+                min_nodes=cfg.min_nodes,
+                max_nodes=cfg.max_nodes,
+                last_call_ms=int(cfg.last_call_s * 1000),
+                join_timeout_ms=int(cfg.join_timeout_s * 1000),
+            ),
+        ),
+    )
+
+
+def _barrier_info(core: CoordinatorCore, run: Run, b: Barrier) -> pb.BarrierInfo:
+    return pb.BarrierInfo(
+        name=b.name,
+        arrived=sorted(m for m, inc in b.arrived.items() if run.is_live(m, inc)),
+        waiting_for=sorted(m for m, inc in b.expected.items() if run.is_live(m, inc) and b.arrived.get(m) != inc),
+        age_ms=int((core.clock() - b.opened_at) * 1000),
+        timeout_ms=int(b.timeout_s * 1000),
+    )
+
+
+def _arrive_response(result: BarrierResult | None, epoch: int) -> pb.ArriveResponse:
+    if result is None:
+        return pb.ArriveResponse(outcome=pb.BARRIER_OUTCOME_PENDING, epoch=epoch, reason="still waiting")
+    outcome = pb.BARRIER_OUTCOME_COMPLETED if result.outcome is Outcome.COMPLETED else pb.BARRIER_OUTCOME_TIMED_OUT
+    return pb.ArriveResponse(
+        outcome=outcome,
+        arrived=result.arrived,
+        evicted=result.evicted,
+        missing=result.missing,
+        epoch=result.epoch,
+        reason=result.reason,
+    )
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, core: CoordinatorCore):
+        self.core = core
+
+    # -- membership --------------------------------------------------------------------------
+
+    @_guarded
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
+        member, epoch = self.core.join(
+            v.ident("run_id", request.run_id),
+            v.ident("member_id", request.member_id),
+            host=v.text("host", request.host, v.MAX_HOST_LEN),
+            weight=v.weight("weight", request.weight),
+            capabilities=v.capabilities("capabilities", dict(request.capabilities)),
+            lease_ttl_s=v.duration_ms("lease_ttl_ms", request.lease_ttl_ms, low=v.MIN_LEASE_TTL_MS, high=v.MAX_LEASE_TTL_MS),
+        )
+        return pb.JoinResponse(
+            member=pb.MemberRef(member_id=member.member_id, incarnation=member.incarnation),
+            epoch=epoch,
+            lease_ttl_ms=int(member.lease_ttl_s * 1000),
+        )
+
+    @_guarded
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
+        mid, inc = _member_ref("member", request.member)
+        epoch, ttl = self.core.keep_alive(v.ident("run_id", request.run_id), mid, inc)
+        return pb.KeepAliveResponse(epoch=epoch, lease_ttl_ms=int(ttl * 1000))
+
+    @_guarded
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        mid, inc = _member_ref("member", request.member)
+        reason = v.text("reason", request.reason, v.MAX_REASON_LEN)
+        return pb.LeaveResponse(epoch=self.core.leave(v.ident("run_id", request.run_id), mid, inc, reason))
+
+    async def Watch(self, request: pb.WatchRequest, context):
+        try:
+            run_id = v.ident("run_id", request.run_id)
+        except ElasticRLError as exc:
+            await _abort(context, exc)
+        watcher = self.core.subscribe(run_id)
+        try:
+            run = self.core.runs.get(run_id)
+            if run is not None:
+                yield pb.WatchResponse(snapshot=run_snapshot(self.core, run))
+            while True:
+                try:
+                    await asyncio.wait_for(watcher.dirty.wait(), WATCH_HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    pass  # heartbeat: a fresh snapshot proves the stream is alive
+                events = watcher.take()
+                run = self.core.runs.get(run_id)
+                if run is None:
+                    continue
+                yield pb.WatchResponse(events=[self._event(e) for e in events], snapshot=run_snapshot(self.core, run))
+        finally:
+            self.core.unsubscribe(run_id, watcher)
+
+    def _event(self, e: Event) -> pb.MembershipEvent:
+        return pb.MembershipEvent(
+            type=_EVENT_TYPE[e.kind],
+            member=None if e.member is None else member_info(self.core, e.member),
+            epoch=e.epoch,
+            reason=e.reason,
+        )
+
+    # -- barriers ----------------------------------------------------------------------------
+
+    @_guarded
+    async def Arrive(self, request: pb.ArriveRequest, context) -> pb.ArriveResponse:
+        run_id = v.ident("run_id", request.run_id)
+        mid, inc = _member_ref("member", request.member)
+        if request.policy not in _POLICY:
+            raise InvalidRequestError(f"policy: unknown value {request.policy}; expected EVICT_MISSING or REPORT")
+        timeout_s = v.duration_ms("timeout_ms", request.timeout_ms) or DEFAULT_BARRIER_TIMEOUT_S
+        result = await self.core.arrive(
+            run_id,
+            mid,
+            inc,
+            v.name("name", request.name),
+            epoch=request.epoch,
+            timeout_s=timeout_s,
+            policy_=_POLICY[request.policy],
+            wait_s=v.duration_ms("wait_ms", request.wait_ms),
+        )
+        return _arrive_response(result, self.core.runs[run_id].epoch)
+
+    # -- KV ----------------------------------------------------------------------------------
+
+    @_guarded
+    async def KVSet(self, request: pb.KVSetRequest, context) -> pb.KVSetResponse:
+        pairs = [
+            (v.key(f"pairs[{i}].key", p.key), v.value(f"pairs[{i}].value", p.value))
+            for i, p in enumerate(v.batch("pairs", request.pairs))
+        ]
+        self.core.kv_set(v.ident("run_id", request.run_id), pairs)
+        return pb.KVSetResponse()
+
+    @_guarded
+    async def KVGet(self, request: pb.KVGetRequest, context) -> pb.KVGetResponse:
+        run_id = v.ident("run_id", request.run_id)
+        keys = [v.key(f"keys[{i}]", k) for i, k in enumerate(v.batch("keys", request.keys))]
+        wait_s = v.duration_ms("wait_ms", request.wait_ms)
+        if wait_s > 0:
+            return pb.KVGetResponse(values=await self.core.kv_wait(run_id, keys, wait_s))
+        values, missing = self.core.kv_get(run_id, keys)
+        return pb.KVGetResponse(values=[b"" if x is None else x for x in values], missing=missing)
+
+    @_guarded
+    async def KVCompareSet(self, request: pb.KVCompareSetRequest, context) -> pb.KVCompareSetResponse:
+        value, swapped = self.core.kv_compare_set(
+            v.ident("run_id", request.run_id),
+            v.key("key", request.key),
+            v.value("expected", request.expected),
+            v.value("desired", request.desired),
+        )
+        return pb.KVCompareSetResponse(value=value, swapped=swapped)
+
+    @_guarded
+    async def KVAdd(self, request: pb.KVAddRequest, context) -> pb.KVAddResponse:
+        value = self.core.kv_add(v.ident("run_id", request.run_id), v.key("key", request.key), request.delta)
+        return pb.KVAddResponse(value=value)
+
+    @_guarded
+    async def KVDelete(self, request: pb.KVDeleteRequest, context) -> pb.KVDeleteResponse:
+        deleted = self.core.kv_delete(v.ident("run_id", request.run_id), v.key("key", request.key))
+        return pb.KVDeleteResponse(deleted=deleted)
+
+    @_guarded
+    async def KVNumKeys(self, request: pb.KVNumKeysRequest, context) -> pb.KVNumKeysResponse:
+        return pb.KVNumKeysResponse(count=self.core.kv_num_keys(v.ident("run_id", request.run_id)))
+
+    # -- rendezvous --------------------------------------------------------------------------
+
+    @_guarded
+    async def RoundJoin(self, request: pb.RoundJoinRequest, context) -> pb.RoundJoinResponse:
+        run_id = v.ident("run_id", request.run_id)
+        mid, inc = _member_ref("member", request.member)
+        c = request.config
+        min_nodes, max_nodes = v.round_config("config", c.min_nodes, c.max_nodes)
+        config = RoundConfig(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            last_call_s=v.duration_ms("config.last_call_ms", c.last_call_ms) if c.last_call_ms else DEFAULT_LAST_CALL_S,
+            join_timeout_s=v.duration_ms("config.join_timeout_ms", c.join_timeout_ms) or DEFAULT_JOIN_TIMEOUT_S,
+        )
+        result = await self.core.round_join(
+            run_id,
+            mid,
+            inc,
+            config,
+            after_round=request.after_round,
+            wait_s=v.duration_ms("wait_ms", request.wait_ms, allow_zero=False),
+        )
+        return pb.RoundJoinResponse(
+            status=_ROUND_STATUS[result.status],
+            round=result.round,
+            rank=result.rank,
+            world_size=len(result.participants),
+            participants=result.participants,
+            reason=result.reason,
+        )
+
+    @_guarded
+    async def CloseRun(self, request: pb.CloseRunRequest, context) -> pb.CloseRunResponse:
+        self.core.close_run(v.ident("run_id", request.run_id), v.text("reason", request.reason, v.MAX_REASON_LEN))
+        return pb.CloseRunResponse()
+
+    # -- status ------------------------------------------------------------------------------
+
+    @_guarded
+    async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        if request.run_id:
+            v.ident("run_id", request.run_id)
+            runs = [self.core.runs[request.run_id]] if request.run_id in self.core.runs else []
+        else:
+            runs = sorted(self.core.runs.values(), key=lambda r: r.run_id)
+        return pb.StatusResponse(
+            runs=[
+                pb.RunStatus(
+                    snapshot=run_snapshot(self.core, run),
+                    open_barriers=[_barrier_info(self.core, run, b) for b in run.barriers.values() if b.result is None],
+                    departed=[member_info(self.core, m) for m in run.members.values() if not m.live]
+                    if request.include_departed
+                    else [],
+                    kv_keys=len(run.kv),
+                )
+                for run in runs
+            ],
+            uptime_s=self.core.clock() - self.core.started_at,
+            version=__version__,
+            lease_ttl_ms=int(self.core.lease_ttl_s * 1000),
+        )
