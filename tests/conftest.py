@@ -1,0 +1,127 @@
+"""Shared fixtures: a real ``elasticrl coordinator`` subprocess on a free port, killable by pid."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.02, message: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.1f}s waiting for {message}")
+        time.sleep(interval_s)
+
+
+class CoordinatorProcess:
+    """One coordinator subprocess. ``kill()`` is SIGKILL; ``start()`` again reuses the state dir
+    and, after the first start, the same port (so clients reconnect to the same address)."""
+
+    def __init__(self, tmp: pathlib.Path, *, lease_ttl_s: float = 1.0, extra_args: list[str] | None = None, durable: bool = True):
+        self.tmp = tmp
+        self.state_dir = tmp / "state" if durable else None
+        self.lease_ttl_s = lease_ttl_s
+        self.extra_args = list(extra_args or [])
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.log_path = tmp / "coordinator.log"
+        self._starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 20.0) -> "CoordinatorProcess":
+        port_file = self.tmp / f"port-{self._starts}"
+        self._starts += 1
+        cmd = [
+            sys.executable, "-m", "elasticrl", "coordinator",
+            "--port", str(self.port),
+            "--port-file", str(port_file),
+            "--lease-ttl", str(self.lease_ttl_s),
+            *self.extra_args,
+        ]
+        if self.state_dir is not None:
+            cmd += ["--state-dir", str(self.state_dir)]
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        log.close()
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"coordinator exited with {self.proc.returncode}:\n{self.log()}")
+            return port_file.exists() and port_file.read_text().strip()
+
+        self.port = int(wait_until(ready, timeout_s, message="coordinator to serve"))
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+@pytest.fixture
+def coordinator_factory(tmp_path):
+    """Make coordinators with custom settings; every one is killed at teardown."""
+    made: list[CoordinatorProcess] = []
+
+    def make(**kwargs) -> CoordinatorProcess:
+        sub = tmp_path / f"coord{len(made)}"
+        sub.mkdir()
+        proc = CoordinatorProcess(sub, **kwargs).start()
+        made.append(proc)
+        return proc
+
+    yield make
+    for proc in made:
+        with contextlib.suppress(Exception):
+            proc.kill()
+
+
+@pytest.fixture
+def coordinator(coordinator_factory) -> CoordinatorProcess:
+    """A durable coordinator with a 1 s lease TTL on a free port."""
+    return coordinator_factory()
+
+
+@pytest.fixture
+def client(coordinator):
+    from elasticrl.coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=10) as c:
+        yield c
