@@ -302,6 +302,8 @@ class CoordinatorCore:
             await asyncio.wait_for(event.wait(), wait_s if wait_s > 0 else None)
         except asyncio.TimeoutError:
             pass
+        if not run.is_live(member_id, incarnation):
+            self._fence(run, member_id, incarnation)  # evicted while waiting: raises FencedError
         return barrier.result
 
     def _decide_barrier(self, run: Run, barrier: Barrier) -> None:

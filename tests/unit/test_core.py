@@ -1,0 +1,263 @@
+"""CoordinatorCore with an injected clock: fencing, epochs, ticks, KV, persistence and reload."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from elasticrl.coordinator.core import CoordinatorCore, Limits
+from elasticrl.coordinator.persist import StateDB
+from elasticrl.coordinator.state import MemberStatus, Outcome, RoundConfig, TimeoutPolicy
+from elasticrl.errors import (
+    FencedError,
+    InvalidRequestError,
+    NotFoundError,
+    ResourceLimitError,
+    RunClosedError,
+    StaleEpochError,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def core(clock) -> CoordinatorCore:
+    return CoordinatorCore(StateDB(None), lease_ttl_s=1.0, clock=clock)
+
+
+def advance(core, clock, seconds, *alive):
+    """Move the clock in 0.25 s steps, renewing the leases of ``alive`` members and ticking."""
+    steps = round(seconds / 0.25)
+    for _ in range(steps):
+        clock.now += 0.25
+        for m in alive:
+            core.keep_alive("r", m.member_id, m.incarnation)
+        core.tick()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 5))
+
+
+def test_join_bumps_epoch_and_rejoin_fences_old_incarnation(core):
+    a, e1 = core.join("r", "a")
+    b, e2 = core.join("r", "b")
+    assert (e1, e2) == (1, 2) and b.incarnation > a.incarnation
+    a2, e3 = core.join("r", "a")  # a restarted: the old process is fenced
+    assert e3 == 4 and a2.incarnation > b.incarnation
+    with pytest.raises(FencedError, match="replaced"):
+        core.keep_alive("r", "a", a.incarnation)
+    core.keep_alive("r", "a", a2.incarnation)
+
+
+def test_unknown_member_and_run_are_not_found(core):
+    with pytest.raises(NotFoundError, match="run_id"):
+        core.keep_alive("nope", "a", 1)
+    core.join("r", "a")
+    with pytest.raises(NotFoundError, match="never joined"):
+        core.keep_alive("r", "ghost", 1)
+
+
+def test_tick_evicts_after_ttl_and_keepalive_extends(core, clock):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    clock.now += 0.9
+    core.keep_alive("r", "a", a.incarnation)
+    clock.now += 0.1
+    core.tick()
+    assert core.runs["r"].members["b"].status is MemberStatus.EVICTED
+    assert core.runs["r"].members["a"].live and core.runs["r"].epoch == 3
+    with pytest.raises(FencedError, match="lease expired"):
+        core.keep_alive("r", "b", b.incarnation)
+
+
+def test_stale_epoch_is_refused(core):
+    core.join("r", "b")
+    a, epoch = core.join("r", "a")
+    with pytest.raises(StaleEpochError):
+        run(core.arrive("r", "a", a.incarnation, "x", epoch=epoch - 1, timeout_s=5))
+    with pytest.raises(InvalidRequestError, match="future"):
+        run(core.arrive("r", "a", a.incarnation, "x", epoch=99, timeout_s=5))
+
+
+def test_barrier_releases_survivors_when_member_expires(core, clock):
+    a, _ = core.join("r", "a")
+    core.join("r", "b")
+
+    async def scenario():
+        waiter = asyncio.create_task(core.arrive("r", "a", a.incarnation, "it-1", timeout_s=60))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        clock.now += 0.5
+        core.keep_alive("r", "a", a.incarnation)
+        clock.now += 0.5  # b's lease lapses, a's does not
+        core.tick()
+        return await waiter
+
+    result = run(scenario())
+    assert result.outcome is Outcome.COMPLETED and result.evicted == ["b"] and result.arrived == ["a"]
+
+
+def test_waiter_evicted_while_waiting_is_fenced(core, clock):
+    a, _ = core.join("r", "a")
+    core.join("r", "b")
+
+    async def scenario():
+        waiter = asyncio.create_task(core.arrive("r", "a", a.incarnation, "it-1", timeout_s=60))
+        await asyncio.sleep(0.01)
+        clock.now += 1.0  # everyone's lease lapses, the waiter's too
+        core.tick()
+        return await waiter
+
+    with pytest.raises(FencedError, match="lease expired"):
+        run(scenario())
+
+
+def test_arrival_is_idempotent_and_result_is_replayed(core):
+    a, _ = core.join("r", "a")
+    first = run(core.arrive("r", "a", a.incarnation, "x", timeout_s=5))
+    again = run(core.arrive("r", "a", a.incarnation, "x", timeout_s=5))
+    assert first is again and first.arrived == ["a"]
+
+
+def test_barrier_timeout_report_and_pending_wait(core, clock):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    assert run(core.arrive("r", "a", a.incarnation, "x", timeout_s=2, policy_=TimeoutPolicy.REPORT, wait_s=0.01)) is None
+    advance(core, clock, 2.0, a, b)
+    result = run(core.arrive("r", "a", a.incarnation, "x", timeout_s=2))
+    assert result.outcome is Outcome.TIMED_OUT and result.missing == ["b"]
+    assert core.runs["r"].members["b"].live  # REPORT evicts nobody
+
+
+def test_barrier_timeout_evict_missing_fences_straggler(core, clock):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    run(core.arrive("r", "a", a.incarnation, "x", timeout_s=2, wait_s=0.01))
+    advance(core, clock, 1.75, a, b)
+    assert core.runs["r"].barriers["x"].result is None
+    advance(core, clock, 0.25, a, b)  # the deadline passes while b is alive but absent
+    result = run(core.arrive("r", "a", a.incarnation, "x", timeout_s=2))
+    assert result.outcome is Outcome.COMPLETED and result.evicted == ["b"] and result.missing == ["b"]
+    with pytest.raises(FencedError, match="missed barrier"):
+        core.keep_alive("r", "b", b.incarnation)
+
+
+def test_kv_semantics_match_torch_store(core):
+    core.kv_set("r", [(b"k", b"v1")])
+    assert core.kv_get("r", [b"k", b"x"]) == ([b"v1", None], [b"x"])
+    assert core.kv_compare_set("r", b"k", b"nope", b"v2") == (b"v1", False)
+    assert core.kv_compare_set("r", b"k", b"v1", b"v2") == (b"v2", True)
+    assert core.kv_compare_set("r", b"new", b"", b"n") == (b"n", True)
+    assert core.kv_compare_set("r", b"missing", b"exp", b"d") == (b"exp", False)
+    assert core.kv_add("r", b"c", 5) == 5 and core.kv_add("r", b"c", -2) == 3
+    with pytest.raises(InvalidRequestError, match="not a decimal integer"):
+        core.kv_add("r", b"k", 1)
+    assert core.kv_delete("r", b"k") and not core.kv_delete("r", b"k")
+    assert core.kv_num_keys("r") == 2  # "new" and "c"
+
+
+def test_kv_wait_wakes_on_set_and_times_out(core):
+    async def scenario():
+        waiter = asyncio.create_task(core.kv_wait("r", [b"a", b"b"], 5))
+        await asyncio.sleep(0.01)
+        core.kv_set("r", [(b"a", b"1")])
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        core.kv_set("r", [(b"b", b"2")])
+        return await waiter
+
+    assert run(scenario()) == [b"1", b"2"]
+    from elasticrl.errors import CoordinatorTimeoutError
+
+    with pytest.raises(CoordinatorTimeoutError, match="not set within"):
+        run(core.kv_wait("r", [b"zzz"], 0.05))
+
+
+def test_limits_are_enforced(clock):
+    core = CoordinatorCore(StateDB(None), clock=clock, limits=Limits(max_members_per_run=2, max_kv_bytes_per_run=10))
+    core.join("r", "a")
+    core.join("r", "b")
+    with pytest.raises(ResourceLimitError, match="limit 2"):
+        core.join("r", "c")
+    with pytest.raises(ResourceLimitError, match="KV bytes"):
+        core.kv_set("r", [(b"key", b"01234567")])
+    assert core.kv_num_keys("r") == 0
+
+
+def test_closed_run_refuses_joins_and_rounds(core):
+    a, _ = core.join("r", "a")
+    core.close_run("r", "done")
+    with pytest.raises(RunClosedError, match="closed"):
+        core.join("r", "b")
+    cfg = RoundConfig(1, 1, 0.1, 10)
+    assert run(core.round_join("r", "a", a.incarnation, cfg, after_round=0, wait_s=0.1)).status == "closed"
+
+
+def test_rounds_form_reform_and_keep_ranks(core, clock):
+    cfg = RoundConfig(2, 3, 1.0, 60)
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    c, _ = core.join("r", "c")
+
+    async def scenario():
+        ja = asyncio.create_task(core.round_join("r", "a", a.incarnation, cfg, after_round=0, wait_s=5))
+        jb = asyncio.create_task(core.round_join("r", "b", b.incarnation, cfg, after_round=0, wait_s=5))
+        jc = asyncio.create_task(core.round_join("r", "c", c.incarnation, cfg, after_round=0, wait_s=5))
+        return await asyncio.gather(ja, jb, jc)  # max_nodes=3 reached: no last-call wait
+
+    ra, rb, rc = run(scenario())
+    assert {ra.round, rb.round, rc.round} == {1} and sorted([ra.rank, rb.rank, rc.rank]) == [0, 1, 2]
+    # the rank-0 node dies; the two survivors re-form at once, without a last-call wait
+    dead = {ra.rank: "a", rb.rank: "b", rc.rank: "c"}[0]
+    clock.now += 0.5
+    for m in (a, b, c):
+        if m.member_id != dead:
+            core.keep_alive("r", m.member_id, m.incarnation)
+    clock.now += 0.6
+    core.tick()
+    assert core.runs["r"].members[dead].status is MemberStatus.EVICTED
+    survivors = [m for m in (a, b, c) if m.member_id != dead]
+
+    async def reform():
+        return await asyncio.gather(
+            *(core.round_join("r", m.member_id, m.incarnation, cfg, after_round=1, wait_s=5) for m in survivors)
+        )
+
+    results = run(reform())
+    assert all(r.round == 2 and r.world_size == 2 for r in results)
+    assert sorted(r.rank for r in results) == [0, 1]
+
+
+def test_state_survives_reload(tmp_path, clock):
+    path = tmp_path / "s.sqlite"
+    core = CoordinatorCore(StateDB(path), lease_ttl_s=1.0, clock=clock)
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    core.kv_set("r", [(b"k%d" % i, b"v%d" % i) for i in range(50)])
+    assert run(core.arrive("r", "a", a.incarnation, "x", timeout_s=30, wait_s=0.01)) is None
+    core.db.close()
+
+    clock.now += 1000.0  # a new process: much later, new clock origin
+    again = CoordinatorCore(StateDB(path), lease_ttl_s=1.0, clock=clock)
+    r = again.runs["r"]
+    assert r.epoch == 2 and r.kv[b"k49"] == b"v49" and len(r.kv) == 50
+    assert r.members["a"].live and r.members["a"].lease_deadline == clock.now + 1.0  # grace
+    assert r.barriers["x"].arrived == {"a": a.incarnation}
+    result = run(again.arrive("r", "b", b.incarnation, "x", timeout_s=30))
+    assert result.outcome is Outcome.COMPLETED and result.arrived == ["a", "b"]
+    # incarnations keep increasing across restarts
+    c, _ = again.join("r", "c")
+    assert c.incarnation > b.incarnation
