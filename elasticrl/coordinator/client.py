@@ -168,7 +168,7 @@ class CoordinatorClient:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(codes.is_retryable),
-            wait=tenacity.wait_exponential_jitter(initial=0.05, max=1.0),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05),
             stop=tenacity.stop_after_delay(budget),
             before_sleep=lambda rs: log.debug("coordinator %s unavailable, retrying %s", self.address, method),
             reraise=True,

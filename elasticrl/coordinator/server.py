@@ -20,10 +20,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator.core import CoordinatorCore, Limits
 from elasticrl.coordinator.persist import StateDB
-from elasticrl.coordinator.service import CoordinatorServicer
+from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class CoordinatorServer:
         token = config.read_token()
         interceptors = [TokenInterceptor(token)] if token else []
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.core), self.server)
+        add_to_server(CoordinatorServicer(self.core), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{config.host}:{config.port}"

@@ -12,6 +12,7 @@ import functools
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from elasticrl import __version__
 from elasticrl._proto import coordinator_pb2 as pb
@@ -335,3 +336,50 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             version=__version__,
             lease_ttl_ms=int(self.core.lease_ttl_s * 1000),
         )
+
+
+def _parsing(impl, request_cls, streaming: bool):
+    """Wrap ``impl`` so undecodable bytes get INVALID_ARGUMENT naming the message type, rather
+    than gRPC's default UNKNOWN."""
+
+    async def parse(raw: bytes, context):
+        try:
+            return request_cls.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request is not a valid {request_cls.DESCRIPTOR.full_name}: {exc}",
+            )
+
+    if streaming:
+
+        async def stream_handler(raw, context):
+            request = await parse(raw, context)
+            async for item in impl(request, context):
+                yield item
+
+        return stream_handler
+
+    async def unary_handler(raw, context):
+        return await impl(await parse(raw, context), context)
+
+    return unary_handler
+
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+    """Register every Coordinator RPC with raw-bytes deserialization (see ``_parsing``)."""
+    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _parsing(impl, request_cls, True), response_serializer=response_cls.SerializeToString
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsing(impl, request_cls, False), response_serializer=response_cls.SerializeToString
+            )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
