@@ -233,9 +233,8 @@ class CoordinatorCore:
         self._emit(run, Event(kind, m, run.epoch, reason))
 
     def _after_membership_change(self, run: Run) -> None:
-        for barrier in list(run.barriers.values()):
-            if barrier.result is None:
-                self._decide_barrier(run, barrier)
+        for barrier in list(run.open_barriers.values()):
+            self._decide_barrier(run, barrier)
         rdzv = run.rendezvous
         stale = [mid for mid, inc in rdzv.waiting.items() if not run.is_live(mid, inc)]
         if stale:
@@ -252,8 +251,8 @@ class CoordinatorCore:
         for run in list(self.runs.values()):
             for m in policy.expired_members(run, now):
                 self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")
-            for barrier in list(run.barriers.values()):
-                if barrier.result is None and now >= barrier.deadline:
+            for barrier in list(run.open_barriers.values()):
+                if now >= barrier.deadline:
                     self._decide_barrier(run, barrier)
             if run.rendezvous.waiting:
                 self._decide_round(run)
@@ -287,7 +286,7 @@ class CoordinatorCore:
             with self.db.tx() as db:
                 db.put_barrier(run_id, barrier)
                 db.put_arrival(run_id, name, member_id, incarnation)
-            run.barriers[name] = barrier
+            run.barriers[name] = run.open_barriers[name] = barrier
             barrier.arrived[member_id] = incarnation
             self._decide_barrier(run, barrier)
         elif barrier.result is None and barrier.arrived.get(member_id) != incarnation:
@@ -314,7 +313,9 @@ class CoordinatorCore:
             self._remove_for_barrier(run, mid, barrier)
         with self.db.tx() as db:
             db.put_barrier(run.run_id, barrier, decision.result)
+            db.delete_arrivals(run.run_id, barrier.name)
         barrier.result = decision.result
+        run.open_barriers.pop(barrier.name, None)
         if decision.result.outcome is Outcome.TIMED_OUT or decision.result.evicted:
             log.warning("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
         else:

@@ -158,6 +158,10 @@ class StateDB:
             "INSERT OR REPLACE INTO arrivals VALUES (?, ?, ?, ?)", (run_id, name, member_id, incarnation)
         )
 
+    def delete_arrivals(self, run_id: str, name: str) -> None:
+        """A decided barrier's result lists who arrived; the per-arrival rows are no longer needed."""
+        self._conn.execute("DELETE FROM arrivals WHERE run_id=? AND name=?", (run_id, name))
+
     def put_rendezvous(self, run_id: str, rdzv: Rendezvous) -> None:
         cfg = rdzv.config
         state = {
@@ -209,6 +213,8 @@ class StateDB:
             barrier = runs[run_id].barriers.get(name)
             if barrier is not None:
                 barrier.arrived[mid] = inc
+        for run in runs.values():
+            run.open_barriers = {n: b for n, b in run.barriers.items() if b.result is None}
         for run_id, state in self._conn.execute("SELECT * FROM rendezvous"):
             s = json.loads(state)
             rdzv = runs[run_id].rendezvous

@@ -29,7 +29,7 @@ def expired_members(run: Run, now: float) -> list[Member]:
 def next_deadline(run: Run) -> float | None:
     """The earliest moment at which something in ``run`` may need a decision without a request."""
     times = [m.lease_deadline for m in run.members.values() if m.live]
-    times += [b.deadline for b in run.barriers.values() if b.result is None]
+    times += [b.deadline for b in run.open_barriers.values()]
     rdzv = run.rendezvous
     if rdzv.config is not None and rdzv.waiting:
         if rdzv.min_reached_at is not None:

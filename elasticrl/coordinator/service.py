@@ -324,7 +324,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             runs=[
                 pb.RunStatus(
                     snapshot=run_snapshot(self.core, run),
-                    open_barriers=[_barrier_info(self.core, run, b) for b in run.barriers.values() if b.result is None],
+                    open_barriers=[_barrier_info(self.core, run, b) for b in run.open_barriers.values()],
                     departed=[member_info(self.core, m) for m in run.members.values() if not m.live]
                     if request.include_departed
                     else [],

@@ -124,6 +124,9 @@ class Run:
     close_reason: str = ""
     members: dict[str, Member] = dataclasses.field(default_factory=dict)
     barriers: dict[str, Barrier] = dataclasses.field(default_factory=dict)
+    # The undecided subset of ``barriers``: ticks and membership changes look only at these, so
+    # a long run's thousands of decided barriers cost nothing per tick.
+    open_barriers: dict[str, Barrier] = dataclasses.field(default_factory=dict)
     kv: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
     kv_bytes: int = 0
     rendezvous: Rendezvous = dataclasses.field(default_factory=Rendezvous)

@@ -132,6 +132,16 @@ def test_arrival_is_idempotent_and_result_is_replayed(core):
     assert first is again and first.arrived == ["a"]
 
 
+def test_barrier_names_are_scoped_by_run(core):
+    a1, _ = core.join("run-1", "a")
+    core.join("run-1", "b")
+    a2, _ = core.join("run-2", "a")
+    assert run(core.arrive("run-1", "a", a1.incarnation, "iter-0", timeout_s=5, wait_s=0.01)) is None
+    # a restarted run (new id) sees a fresh barrier of the same name, not run-1's arrivals
+    result = run(core.arrive("run-2", "a", a2.incarnation, "iter-0", timeout_s=5))
+    assert result.arrived == ["a"] and core.runs["run-1"].barriers["iter-0"].result is None
+
+
 def test_barrier_timeout_report_and_pending_wait(core, clock):
     a, _ = core.join("r", "a")
     b, _ = core.join("r", "b")

@@ -53,9 +53,9 @@ def test_departed_members_never_expire_again():
 def test_next_deadline_is_earliest_of_leases_and_barriers():
     run = make_run("a", ttl=3.0)
     b = barrier(run, timeout_s=1.5, opened_at=0.5)
-    run.barriers["b"] = b
+    run.barriers["b"] = run.open_barriers["b"] = b
     assert policy.next_deadline(run) == 2.0
-    b.result = object()  # decided barriers no longer count
+    del run.open_barriers["b"]  # decided barriers no longer count
     assert policy.next_deadline(run) == 3.0
 
 
