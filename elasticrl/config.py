@@ -46,7 +46,7 @@ class RunConfig:
     """PEM CA bundle to verify a TLS coordinator; empty for plaintext."""
     run_dir: str = ""
     """Directory for config.json, metrics.jsonl and checkpoints; empty means runs/<run_id>."""
-    iterations: int = 30
+    iterations: int = 40
     """Number of RL iterations (rollout + update) in the whole run, counting resumed ones."""
     seed: int = 1234
     """Seed of prompts, sampling and initial weights; a run is reproducible for a given world size."""
@@ -91,7 +91,7 @@ class RunConfig:
 class TaskConfig:
     """The toy task the policy is trained on (see ``elasticrl.rl.tasks``)."""
 
-    name: str = "copy"
+    name: str = "reverse"
     """Task name from the registry in elasticrl.rl.tasks (copy, reverse, ...)."""
     num_digits: int = 4
     """Digits in each prompt."""
@@ -101,6 +101,9 @@ class TaskConfig:
     """Samples drawn per prompt (one GRPO group); advantages are normalized within a group."""
 
     def __post_init__(self) -> None:
+        from elasticrl.rl.tasks import TASKS  # pure Python, cheap
+
+        _check(self.name in TASKS, f"task.name: {self.name!r} is not a registered task; choose one of {', '.join(sorted(TASKS))}")
         _check(1 <= self.num_digits <= 16, f"task.num_digits: {self.num_digits} must be 1..16")
         _check(self.prompts_per_iteration >= 1, f"task.prompts_per_iteration: {self.prompts_per_iteration} must be at least 1")
         _check(

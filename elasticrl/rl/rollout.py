@@ -45,17 +45,22 @@ def sample_groups(
     temperature: float,
     generator: torch.Generator,
 ) -> RolloutBatch:
-    """Draw ``group_size`` completions per example, score them, and record the sampling logprobs."""
+    """Draw ``group_size`` completions per example, score them, and record the sampling logprobs.
+
+    Tensors are made on the model's device; ``generator`` must live there too.
+    """
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     repeated = [ex for ex in examples for _ in range(group_size)]
     prompts = [vocab.encode(ex.prompt, bos=True) for ex in repeated]
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), vocab.pad_id, dtype=torch.long)
     for row, ids in enumerate(prompts):
         tokens[row, width - len(ids):] = torch.tensor(ids)
+    tokens = tokens.to(device)
     valid = tokens != vocab.pad_id
-    done = torch.zeros(len(prompts), dtype=torch.bool)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     # No KV cache: sequences are a few dozen tokens, and recomputing keeps the model trivial.
     for _ in range(max_new_tokens):
         logits = model(tokens, valid)[:, -1, :].float() / temperature  # [B, V]
@@ -68,10 +73,10 @@ def sample_groups(
         done |= nxt == vocab.eos_id
         if bool(done.all()):
             break
-    completion_mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    completion_mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, device=device)
     completion_mask[:, width - 1:] = valid[:, width:].float()
     old_logprobs = token_logprobs(model, tokens, valid)
-    completions = [vocab.decode(row[width:].tolist()) for row in tokens]
-    rewards = torch.tensor([task.reward(ex, text) for ex, text in zip(repeated, completions)])
+    completions = [vocab.decode(row) for row in tokens[:, width:].tolist()]
+    rewards = torch.tensor([task.reward(ex, text) for ex, text in zip(repeated, completions)], device=device)
     model.train(was_training)
     return RolloutBatch(tokens, valid, completion_mask, old_logprobs, rewards, completions, repeated)

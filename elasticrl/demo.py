@@ -1,0 +1,398 @@
+"""``python -m elasticrl.demo`` (``make demo``): a local coordinator and N torchrun nodes train a
+tiny policy on CPU in about a minute, offline.
+
+It starts ``elasticrl coordinator`` on a free port, then one torchrun agent per simulated node
+(``--nproc-per-node=1``), each running ``python -m elasticrl.node``; streams rank 0's progress
+lines; and ends with a summary (reward before and after, checkpoint path). Every process it
+starts runs in its own session and is stopped by pid on exit, on failure and on Ctrl-C; workers
+that torchrun started in sessions of their own are found through /proc and stopped too.
+
+Rendezvous: the ``elasticrl`` torchrun backend when it is installed (``--rdzv-backend=elasticrl``
+against the same coordinator), otherwise torchrun's ``c10d`` backend with node 0 hosting the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from elasticrl.rl.tasks import TASKS  # pure Python: the demo process never imports torch
+
+PROGRESS_RE = re.compile(r"^iter\s+(\d+)/\d+ ")
+# Worker log lines worth showing on the console (the rest goes to the node's log file).
+NOTABLE_RE = re.compile(r" (WARNING|ERROR|CRITICAL) node=| resumed from iteration ")
+NOTABLE_WIDTH = 200
+COORDINATOR_START_S = 30
+STOP_GRACE_S = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m elasticrl.demo",
+        description="Train a tiny policy with GRPO on CPU: a local coordinator plus N torchrun nodes.",
+    )
+    p.add_argument("--nodes", type=int, default=2, help="torchrun agents (simulated nodes), one worker each (default: %(default)s)")
+    p.add_argument("--iterations", type=int, default=40, help="RL iterations (default: %(default)s)")
+    p.add_argument("--task", default="reverse", choices=sorted(TASKS), help="toy task (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="save a checkpoint every N iterations (default: %(default)s)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/demo-<timestamp>)")
+    p.add_argument(
+        "--rdzv-backend", choices=["auto", "elasticrl", "c10d"], default="auto",
+        help="torchrun rendezvous: auto picks elasticrl when its plugin is installed, else c10d (default: %(default)s)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after this many seconds (default: %(default)s)")
+    p.add_argument("--lease-ttl", type=float, default=3.0, metavar="S", help="coordinator lease, seconds (default: %(default)s)")
+    p.add_argument(
+        "--kill-at", type=int, default=0, metavar="ITER",
+        help="SIGKILL the last node (agent and worker) once iteration ITER is reported, to watch the "
+        "others re-form and resume from the newest checkpoint; 0 never (default: %(default)s)",
+    )
+    p.add_argument("node_args", nargs=argparse.REMAINDER, help="extra --section.key=value overrides for every node, after --")
+    return p
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (field 22 of /proc/PID/stat): with the pid, names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every live descendant of ``root``; empty where /proc is missing."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            started = _start_time(child)
+            if started is not None:
+                out.append((child, started))
+                stack.append(child)
+    return out
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+    seen: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    """Descendants observed while it ran: torchrun's workers live in sessions of their own."""
+
+    def remember_descendants(self) -> None:
+        known = set(self.seen)
+        self.seen += [d for d in _descendants(self.proc.pid) if d not in known]
+
+    def kill(self) -> None:
+        """SIGKILL the process group and every descendant seen, at once (a node dying)."""
+        self.remember_descendants()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._kill_seen()
+
+    def _kill_seen(self) -> None:
+        for pid, started in self.seen:
+            if _start_time(pid) == started:  # still the same process, not a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def terminate(self) -> None:
+        """SIGTERM the process group: torchrun then stops its workers, the coordinator shuts down."""
+        if self.proc.poll() is None:
+            self.remember_descendants()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def reap(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) for the process to exit, then SIGKILL whatever is left."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._kill_seen()
+
+
+def stop_all(children: list[Child], grace_s: float) -> None:
+    """Stop the nodes together (one by one, a survivor would try to re-form), then the coordinator
+    (the agents' last calls go to it)."""
+    for group in ([c for c in children if c.name != "coordinator"], [c for c in children if c.name == "coordinator"]):
+        for child in group:
+            child.terminate()
+        deadline = time.monotonic() + grace_s
+        for child in group:
+            child.reap(deadline)
+
+def _spawn(name: str, cmd: list[str], log_path: str, env: dict[str, str], *, pipe: bool) -> Child:
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if pipe else log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # its own process group: Ctrl-C reaches only us, we stop it by pid
+    )
+    log.close()
+    return Child(name, proc, log_path)
+
+
+def _stream(child: Child, demo: "Demo") -> None:
+    """Copy a node's output into its log file; show progress and notable lines on the console
+    (until the demo is stopping); record each iteration rank 0 reports."""
+    with open(child.log_path, "a") as log:
+        for raw in child.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            log.write(line + "\n")
+            log.flush()
+            progress = PROGRESS_RE.match(line)
+            if progress:
+                demo.reported.append(int(progress.group(1)))
+                demo.say(line)
+            elif NOTABLE_RE.search(line) and not demo.stopping.is_set():
+                shown = line if len(line) <= NOTABLE_WIDTH else line[: NOTABLE_WIDTH - 3] + "..."
+                demo.say(f"  [{child.name}] {shown}")
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plugin_available() -> bool:
+    """True when torchrun can load the elasticrl rendezvous backend (entry point and module both present)."""
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "elasticrl" for ep in entry_points(group="torchrun.handlers")):
+        return False
+    return importlib.util.find_spec("elasticrl.rendezvous") is not None
+
+
+# -- the demo ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Demo:
+    """The processes of one demo run and what the console has been told."""
+
+    args: argparse.Namespace
+    run_dir: str
+    run_id: str
+    backend: str
+    env: dict[str, str]
+    children: list[Child] = dataclasses.field(default_factory=list)
+    reported: list[int] = dataclasses.field(default_factory=list)
+    """Iterations rank 0 has reported, in order (appended by the reader threads)."""
+    echo: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    readers: list[threading.Thread] = dataclasses.field(default_factory=list)
+
+    @property
+    def logs(self) -> str:
+        return os.path.join(self.run_dir, "logs")
+
+    def start_coordinator(self) -> str:
+        """Start the coordinator on a free port with its state under the run dir; returns HOST:PORT."""
+        port_file = os.path.join(self.run_dir, "coordinator.port")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(port_file)  # a previous run's port (same --out) would be read as ours
+        cmd = [
+            sys.executable, "-m", "elasticrl", "coordinator", "--port", "0", "--port-file", port_file,
+            "--lease-ttl", str(self.args.lease_ttl), "--state-dir", os.path.join(self.run_dir, "coordinator"),
+        ]
+        child = _spawn("coordinator", cmd, os.path.join(self.logs, "coordinator.log"), self.env, pipe=False)
+        self.children.append(child)
+        deadline = time.monotonic() + COORDINATOR_START_S
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with status {child.proc.returncode}; see {child.log_path}")
+            with contextlib.suppress(OSError, ValueError):
+                return f"127.0.0.1:{int(open(port_file).read().strip())}"
+            time.sleep(0.05)
+        raise RuntimeError(f"the coordinator did not serve within {COORDINATOR_START_S}s; see {child.log_path}")
+
+    def start_node(self, k: int, rdzv_endpoint: str, node_args: list[str]) -> Child:
+        """One torchrun agent with one elasticrl.node worker, its output streamed by a thread."""
+        a = self.args
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",  # = torchrun
+            f"--nnodes=1:{a.nodes}", "--nproc-per-node=1", "--max-restarts=3",
+            f"--rdzv-backend={self.backend}", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={self.run_id}",
+        ]
+        if self.backend == "c10d":
+            cmd.append(f"--rdzv-conf=is_host={'true' if k == 0 else 'false'}")
+        cmd += [
+            "-m", "elasticrl.node",
+            f"--run.run_id={self.run_id}", f"--run.run_dir={self.run_dir}", f"--run.iterations={a.iterations}",
+            f"--task.name={a.task}", f"--checkpoint.every_iterations={a.checkpoint_every}",
+            *node_args,
+        ]
+        env = dict(self.env, ELASTICRL_NODE_NAME=f"node-{k}")  # all "nodes" share this host's name
+        child = _spawn(f"node-{k}", cmd, os.path.join(self.logs, f"node-{k}.log"), env, pipe=True)
+        self.children.append(child)
+        reader = threading.Thread(target=_stream, args=(child, self), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+        return child
+
+    def say(self, text: str) -> None:
+        with self.echo:
+            print(text, flush=True)
+
+    def watch(self, coordinator: Child, nodes: list[Child], deadline: float) -> None:
+        """Wait for every node to exit; kill one at --kill-at; raise RuntimeError on a timeout or a
+        dead coordinator."""
+        victim = nodes[-1] if self.args.kill_at and len(nodes) > 1 else None
+        while any(n.proc.poll() is None for n in nodes):
+            for n in nodes:
+                n.remember_descendants()
+            if victim is not None and self.reported and self.reported[-1] >= self.args.kill_at:
+                self.say(
+                    f"  -- killing {victim.name} (SIGKILL, agent and worker) after iteration {self.reported[-1]}; "
+                    "the others should re-form without it and resume from the newest checkpoint"
+                )
+                victim.kill()
+                victim = None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gave up after {self.args.timeout:.0f}s (--timeout)")
+            if coordinator.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log_path}")
+            time.sleep(0.5)
+        for reader in self.readers:  # print every last line before the summary
+            reader.join(timeout=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.nodes < 1:
+        parser.error(f"--nodes: {args.nodes} must be at least 1")
+    backend = args.rdzv_backend
+    if backend == "auto":
+        backend = "elasticrl" if plugin_available() else "c10d"
+    elif backend == "elasticrl" and not plugin_available():
+        parser.error("--rdzv-backend=elasticrl: the elasticrl.rendezvous plugin is not installed; use c10d")
+    stamp = time.strftime("demo-%Y%m%d-%H%M%S")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    # torch warns at import when numpy is absent; nothing here needs numpy.
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy"]))
+    # One run id per invocation: a rerun in the same --out reuses the coordinator's durable state,
+    # where the previous run keeps its own --nnodes; the checkpoints carry over all the same.
+    demo = Demo(args, run_dir=args.out or os.path.join("runs", stamp), run_id=stamp, backend=backend, env=env)
+    os.makedirs(demo.logs, exist_ok=True)
+    started = time.monotonic()
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a parent shell ignored it
+    try:
+        address = demo.start_coordinator()
+        env["ELASTICRL_COORDINATOR"] = address
+        coordinator = demo.children[0]
+        rdzv_endpoint = address if backend == "elasticrl" else f"127.0.0.1:{_free_port()}"
+        fell_back = args.rdzv_backend == "auto" and backend == "c10d"
+        note = "  (the elasticrl plugin is not installed; using torchrun's own)" if fell_back else ""
+        print(f"elasticrl demo: {args.nodes} node(s) learn to {args.task} digit strings with GRPO ({args.iterations} iterations, CPU)")
+        print(f"  run dir      {demo.run_dir}")
+        print(f"  coordinator  {address}  (pid {coordinator.proc.pid}, log {coordinator.log_path})")
+        print(f"  rendezvous   {backend} at {rdzv_endpoint}{note}")
+        node_args = [a for a in args.node_args if a != "--"]
+        nodes = []
+        for k in range(args.nodes):
+            nodes.append(demo.start_node(k, rdzv_endpoint, node_args))
+            print(f"  node-{k}       torchrun pid {nodes[-1].proc.pid}, log {nodes[-1].log_path}")
+        demo.say("starting (the first iteration waits for every node to import torch and meet) ...")
+        demo.watch(coordinator, nodes, deadline=started + args.timeout)
+        return _summarize(demo.run_dir, nodes, args.iterations, time.monotonic() - started, killed=args.kill_at > 0)
+    except KeyboardInterrupt:
+        print("\nelasticrl demo: interrupted; stopping every process it started", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"elasticrl demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        demo.stopping.set()  # the nodes' complaints about each other's exit are expected now
+        stop_all(demo.children, grace_s=STOP_GRACE_S)
+        print(f"run dir: {demo.run_dir}")
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    """The last record of every iteration (an iteration redone after a restart appears twice)."""
+    by_iteration: dict[int, dict] = {}
+    with contextlib.suppress(OSError):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    by_iteration[record["iteration"]] = record
+    return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    with contextlib.suppress(OSError):
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool) -> int:
+    """Print the outcome; 0 when the run reached its last iteration and saved a checkpoint of it,
+    and some node finished cleanly (a node killed by --kill-at is expected to die)."""
+    records = _metrics(run_dir)
+    checkpoint = records[-1].get("checkpoint") if records else None
+    complete = bool(records) and records[-1]["iteration"] == iterations and bool(checkpoint) and os.path.isdir(checkpoint)
+    clean = [n for n in nodes if n.proc.returncode == 0]
+    for n in nodes:
+        if n.proc.returncode != 0 and not (killed and n is nodes[-1]):
+            print(f"\n{n.name} exited with status {n.proc.returncode}; the end of {n.log_path}:\n{_tail(n.log_path)}", file=sys.stderr)
+    if not complete or not clean:
+        last = records[-1]["iteration"] if records else 0
+        print(f"elasticrl demo: training failed after {last}/{iterations} iterations ({wall_s:.0f}s)", file=sys.stderr)
+        return 1
+    head, tail = records[: min(3, len(records))], records[-min(3, len(records)):]
+
+    def mean(rs, key):
+        return sum(r[key] for r in rs) / len(rs)
+
+    worlds = " -> ".join(str(w) for w in dict.fromkeys(r["world_size"] for r in records))
+    print()
+    print(f"done in {wall_s:.0f}s: {iterations} iterations, world size {worlds}")
+    print(
+        f"  reward       {mean(head, 'reward_mean'):.3f} -> {mean(tail, 'reward_mean'):.3f}"
+        f"  (mean of the first / last {len(tail)} iterations)"
+    )
+    print(f"  exact match  {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples")
+    print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
+    print(f"  metrics      {os.path.join(run_dir, 'metrics.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""``python -m elasticrl.node``: the torchrun worker entry point of an RL node.
+
+    torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=elasticrl \\
+        --rdzv-endpoint=HOST:PORT --rdzv-id=RUN -m elasticrl.node \\
+        [--config FILE.toml] [--section.key=value ...]
+
+Arguments and config are parsed and validated before torch is imported, so ``--help`` and config
+mistakes answer at once. The loop itself lives in ``elasticrl.train.loop``. Exit status: 0 when
+the run is complete, 1 when training failed (torchrun may restart the worker group), 2 for a bad
+config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+from elasticrl import config as cfgmod
+
+log = logging.getLogger("elasticrl.node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m elasticrl.node",
+        description="RL node (one torchrun worker): rollout, rewards, GRPO update over torch.distributed.",
+        epilog="Any config field can be overridden as --section.key=value, e.g. --run.iterations=40 "
+        "--train.lr=1e-3 --task.name=reverse. Sections: " + ", ".join(f.name for f in dataclasses.fields(cfgmod.NodeConfig)) + ".",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value overrides it")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    return p
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, cfgmod.NodeConfig]:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        config = cfgmod.load_config(args.config, cfgmod.parse_overrides(rest))
+        config.run = config.run.resolved()
+    except cfgmod.ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    return args, config
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the torchrun agent dies, so a killed agent never leaves a worker behind.
+
+    torchrun starts workers in their own session, so killing the agent's process group misses them.
+    The signal follows the *thread* that started us; torchrun starts workers from its main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse(argv)
+    if args.print_config:
+        import json
+
+        print(json.dumps(cfgmod.to_dict(config), indent=2, sort_keys=True))
+        return 0
+    _die_with_parent()
+    # torchrun stops workers with SIGTERM: turn it into SystemExit so the loop leaves the run cleanly.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    import warnings
+
+    # torch warns at import when numpy is absent; elasticrl never needs numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    from elasticrl.rendezvous.worker import restart_grace
+    from elasticrl.train.dist import WorldInfo
+    from elasticrl.train.logcontext import FORMAT, WorkerLogContext, node_name
+    from elasticrl.train.loop import NodeTrainer
+
+    world = WorldInfo.from_env()
+    logctx = WorkerLogContext(node=node_name(), rank=world.rank)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(logctx)
+    logging.basicConfig(level=config.run.log_level.upper(), handlers=[handler], force=True)
+    try:
+        # A dead peer fails our collectives (or our barrier) before torchrun notices; park the
+        # worker so the agent's membership-driven restart wins and --max-restarts is not spent.
+        with restart_grace():
+            NodeTrainer(config, world, logctx).run()
+    except cfgmod.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except Exception:
+        log.exception("training failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

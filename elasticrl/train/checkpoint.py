@@ -1,0 +1,162 @@
+"""Checkpoints without pickle: safetensors for every tensor, JSON for everything else.
+
+Layout of one checkpoint (``<dir>/iter-000010/``)::
+
+    model.safetensors       policy weights (state_dict names)
+    optimizer.safetensors   optimizer tensors, keyed "state.<param index>.<name>"
+    meta.json               iteration, world size, config, optimizer param_groups and scalar state
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so a directory
+named ``iter-*`` is always complete: a crash mid-save leaves only a ``.tmp-*`` directory that a
+later save removes. When several writers save the same iteration (``checkpoint.every_node`` on a
+shared filesystem) the first rename wins and the others discard their copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save_file as st_save_file
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+META_FILE = "meta.json"
+_DIR_RE = re.compile(r"iter-(\d+)")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    iteration: int
+    model: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    """meta.json as written; ``meta["optimizer"]`` holds the optimizer's non-tensor state."""
+
+    @property
+    def optimizer(self) -> dict[str, Any]:
+        """The optimizer ``state_dict()``, ready for ``load_state_dict``."""
+        return unflatten_optimizer(self.optimizer_tensors, self.meta["optimizer"])
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """``safetensors.torch.save_file``, then fsync: a checkpoint renamed into place is on disk."""
+    st_save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter-{iteration:06d}")
+
+
+def flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state_dict into safetensors-ready tensors and JSON-ready rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for index, slots in state_dict["state"].items():
+        for name, value in slots.items():
+            key = f"state.{index}.{name}"
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value.detach().contiguous().cpu()
+            else:
+                scalars[key] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in [*tensors.items(), *rest["scalars"].items()]:
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = value
+    # JSON turned tuple hyper-parameters (AdamW's betas) into lists; torch's own are tuples.
+    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in rest["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    keep_last: int,
+) -> str:
+    """Write checkpoint ``iteration`` under ``root`` and prune to the newest ``keep_last``; returns its path."""
+    os.makedirs(root, exist_ok=True)
+    final = checkpoint_dir(root, iteration)
+    tmp = os.path.join(root, f".tmp-iter-{iteration:06d}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    opt_tensors, opt_rest = flatten_optimizer(optimizer_state)
+    save_file(model_state, os.path.join(tmp, MODEL_FILE))
+    save_file(opt_tensors, os.path.join(tmp, OPTIMIZER_FILE))
+    full_meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta, "optimizer": opt_rest}
+    with open(os.path.join(tmp, META_FILE), "w") as f:
+        json.dump(full_meta, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another writer saved this iteration first
+        log.debug("checkpoint %s already written by another rank", final)
+    _prune(root, keep_last)
+    return final
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Complete checkpoints under ``root`` as (iteration, path), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _DIR_RE.fullmatch(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, META_FILE)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest_iteration(root: str) -> int:
+    """Iteration of the newest complete checkpoint under ``root``; 0 when there is none."""
+    found = list_checkpoints(root)
+    return found[-1][0] if found else 0
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    with open(os.path.join(path, META_FILE)) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+    return Checkpoint(
+        iteration=int(meta["iteration"]),
+        model=load_file(os.path.join(path, MODEL_FILE)),
+        optimizer_tensors=load_file(os.path.join(path, OPTIMIZER_FILE)),
+        meta=meta,
+    )
+
+
+def _prune(root: str, keep_last: int) -> None:
+    for _, path in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    # Leftovers of crashed saves. Writers save the same iterations in lockstep, so a temporary
+    # directory of an older iteration than the newest complete one is nobody's work in progress.
+    newest = latest_iteration(root)
+    for name in os.listdir(root):
+        m = re.fullmatch(r"\.tmp-iter-(\d+)-\d+", name)
+        if m and int(m.group(1)) < newest:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

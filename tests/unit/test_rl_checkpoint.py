@@ -1,0 +1,103 @@
+"""Checkpoints: safetensors files the official reader loads, optimizer state round trip, pruning,
+atomic directories, and no pickle anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from elasticrl.config import PolicyConfig
+from elasticrl.policy.tiny import TinyCausalLM
+from elasticrl.train import checkpoint as ckpt
+
+
+def _trained_model_and_optimizer():
+    torch.manual_seed(0)
+    model = TinyCausalLM(PolicyConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=8), vocab_size=11)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 11, (4, 6))
+    for _ in range(2):
+        opt.zero_grad()
+        model(tokens, torch.ones_like(tokens, dtype=torch.bool)).logsumexp(-1).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def test_save_file_writes_what_safetensors_reads(tmp_path):
+    tensors = {
+        "w": torch.randn(3, 5),
+        "step": torch.tensor(7.0),
+        "ids": torch.arange(4),
+        "half": torch.randn(2, 2).to(torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "flags": torch.tensor([True, False, True]),
+        "view": torch.randn(4, 4)[:, 1],  # non-contiguous input is packed
+    }
+    path = tmp_path / "t.safetensors"
+    ckpt.save_file(tensors, str(path))
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for name, expected in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), name
+
+
+def test_round_trip_restores_model_and_optimizer(tmp_path):
+    model, opt = _trained_model_and_optimizer()
+    path = ckpt.save_checkpoint(str(tmp_path), 3, model.state_dict(), opt.state_dict(), {"world_size": 2}, keep_last=2)
+    assert os.path.basename(path) == "iter-000003"
+    loaded = ckpt.load_checkpoint(path)
+    assert loaded.iteration == 3 and loaded.meta["world_size"] == 2
+
+    fresh = TinyCausalLM(model.config, vocab_size=11)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(loaded.model)
+    fresh_opt.load_state_dict(loaded.optimizer)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for index, slots in want["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(got["state"][index][name], value), (index, name)
+
+
+def test_only_complete_checkpoints_count_and_old_ones_are_pruned(tmp_path):
+    model, opt = _trained_model_and_optimizer()
+    root = str(tmp_path)
+    assert ckpt.latest_iteration(root) == 0
+    for it in (5, 10, 15):
+        ckpt.save_checkpoint(root, it, model.state_dict(), opt.state_dict(), {}, keep_last=2)
+    assert [i for i, _ in ckpt.list_checkpoints(root)] == [10, 15]
+    # A crashed save leaves a temporary directory and an iter-* directory without meta.json:
+    os.makedirs(tmp_path / ".tmp-iter-000020-999")
+    os.makedirs(tmp_path / "iter-000020")
+    assert ckpt.latest_iteration(root) == 15
+    ckpt.save_checkpoint(root, 25, model.state_dict(), opt.state_dict(), {}, keep_last=2)
+    assert not (tmp_path / ".tmp-iter-000020-999").exists()
+    assert [i for i, _ in ckpt.list_checkpoints(root)] == [15, 25]
+
+
+def test_a_second_writer_of_the_same_iteration_keeps_the_first(tmp_path):
+    model, opt = _trained_model_and_optimizer()
+    root = str(tmp_path)
+    first = ckpt.save_checkpoint(root, 4, model.state_dict(), opt.state_dict(), {"writer": "a"}, keep_last=3)
+    again = ckpt.save_checkpoint(root, 4, model.state_dict(), opt.state_dict(), {"writer": "b"}, keep_last=3)
+    assert first == again
+    assert json.loads(open(os.path.join(first, ckpt.META_FILE)).read())["writer"] == "a"
+    assert [n for n in os.listdir(root) if n.startswith(".tmp")] == []
+
+
+def test_unknown_format_is_refused(tmp_path):
+    model, opt = _trained_model_and_optimizer()
+    path = ckpt.save_checkpoint(str(tmp_path), 1, model.state_dict(), opt.state_dict(), {}, keep_last=1)
+    meta_path = os.path.join(path, ckpt.META_FILE)
+    meta = json.load(open(meta_path))
+    meta["format_version"] = 99
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(ValueError, match="checkpoint format 99"):
+        ckpt.load_checkpoint(path)
