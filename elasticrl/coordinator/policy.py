@@ -8,6 +8,7 @@ and no sleeps (``tests/unit/test_policy.py``). ``core`` applies the decisions.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from elasticrl.coordinator.state import (
     Barrier,
@@ -90,6 +91,21 @@ def decide_barrier(barrier: Barrier, run: Run, now: float) -> BarrierDecision:
         reason,
     )
     return BarrierDecision(result, tuple(waiting_for), reason)
+
+
+def barrier_blocked(barrier: Barrier, run: Run, now: float, candidates: Iterable[str]) -> bool:
+    """True when ``decide_barrier`` would answer "wait": before the deadline, some expected member
+    in ``candidates`` is live and has not arrived.
+
+    ``candidates`` must hold every expected member that is live and has not arrived (it may hold
+    more). Callers that keep such a set up to date per arrival get an answer in O(1) for the
+    common case, where ``decide_barrier`` is O(expected members): deciding on every arrival made
+    a barrier of N members cost O(N^2).
+    """
+    if barrier.result is not None or now >= barrier.deadline:
+        return False
+    expected, arrived = barrier.expected, barrier.arrived
+    return any(run.is_live(m, expected[m]) and arrived.get(m) != expected[m] for m in candidates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +206,16 @@ def nodes_waiting(
     """How many nodes want the current round re-formed, as torchrun's ``num_nodes_waiting`` means it.
 
     Counts participants of the current round that are gone (so survivors restart at once instead
-    of hanging in a collective), waiting nodes while the round has room for them, and one more when
-    a newer round than ``my_round`` has already completed without this node.
+    of hanging in a collective), participants that wait again (their workers failed, so the round
+    is broken even when it is full), other waiting nodes while the round has room for them, and
+    one more when a newer round than ``my_round`` has already completed without this node.
     """
-    count = len(lost)
-    if waiting and (len(participants) - len(lost)) < max_nodes:
-        count += len(waiting)
+    current = set(participants)
+    rejoining = [m for m in waiting if m in current]
+    newcomers = [m for m in waiting if m not in current]
+    count = len(lost) + len(rejoining)
+    if newcomers and (len(participants) - len(lost)) < max_nodes:
+        count += len(newcomers)
     if round_no > my_round:
         count += 1
     return count

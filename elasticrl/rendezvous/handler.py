@@ -1,0 +1,333 @@
+"""``ElasticRLRendezvousHandler``: torch's ``RendezvousHandler`` with rounds decided on the coordinator.
+
+One handler per torchrun agent. Its identity is a member of the run (``Membership``: member id
+unique per agent, an incarnation handed out by the coordinator, a lease renewed from a thread).
+``next_rendezvous`` repeats ``RoundJoin(after_round=<the last round this handler got>)`` until a
+round that includes this incarnation completes, so an agent whose workers failed never gets its
+old round back. ``num_nodes_waiting`` is answered from a watch stream cached by a second thread
+(torchrun polls it every ``--monitor-interval``, 0.1 s by default) with ``policy.nodes_waiting``:
+nodes waiting for a round plus members of the current round that are gone, which is what makes
+torchrun restart the survivors right after an eviction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+import time
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elasticrl.coordinator import policy
+from elasticrl.coordinator.client import CoordinatorClient, Membership, RunView, resolve_token
+from elasticrl.errors import (
+    AuthError,
+    CoordinatorTimeoutError,
+    CoordinatorUnavailableError,
+    ElasticRLError,
+    FencedError,
+    RunClosedError,
+)
+from elasticrl.rendezvous import BACKEND
+from elasticrl.rendezvous.config import RendezvousConfig
+from elasticrl.rendezvous.store import CoordinatorStore
+from elasticrl.rendezvous.worker import LEASE_TTL_ENV
+
+log = logging.getLogger(__name__)
+
+# One RoundJoin call blocks at most this long; shorter than the client's cap so that a closed or
+# fenced state is noticed between calls, too.
+ROUND_WAIT_CHUNK_S = 5.0
+# How often a non-zero rank re-checks, while waiting for rank 0's MASTER_ADDR, that rank 0 lives.
+BOOTSTRAP_POLL_S = 0.25
+
+
+@contextlib.contextmanager
+def rendezvous_errors(address: str, run_id: str):
+    """Turn elasticrl errors into torch's rendezvous exception family, once, with a clear message."""
+    try:
+        yield
+    except RendezvousError:
+        raise
+    except RunClosedError as exc:
+        raise RendezvousClosedError(f"run {run_id!r} on coordinator {address} is closed: {exc}") from None
+    except AuthError as exc:
+        raise RendezvousConnectionError(str(exc)) from None
+    except CoordinatorUnavailableError as exc:
+        raise RendezvousConnectionError(
+            f"{exc} (is `elasticrl coordinator` serving there? check --rdzv-endpoint=HOST:PORT)"
+        ) from None
+    except dist.DistNetworkError as exc:
+        raise RendezvousConnectionError(str(exc)) from None
+    except (CoordinatorTimeoutError, TimeoutError) as exc:
+        raise RendezvousTimeoutError(f"run {run_id!r} on coordinator {address}: {exc}") from None
+    except ElasticRLError as exc:
+        raise RendezvousError(
+            f"coordinator {address} refused a rendezvous request of run {run_id!r}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+class RunViewCache:
+    """The latest ``RunView`` of one run, kept fresh by a daemon thread that consumes ``watch``."""
+
+    def __init__(self, client: CoordinatorClient, run_id: str):
+        self._client = client
+        self._run_id = run_id
+        self._stop = threading.Event()
+        self.view: RunView | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"elasticrl-rdzv-watch-{run_id}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for view in self._client.watch(self._run_id, stop=self._stop):
+                    for kind, member, reason in view.events:
+                        if kind in ("evicted", "left"):
+                            log.info("run %s: %s %s (%s)", self._run_id, member, kind, reason)
+                    self.view = view
+            except ElasticRLError as exc:
+                if not self._stop.is_set():
+                    log.warning("run %s: watch lost (%s); re-subscribing", self._run_id, exc)
+            except Exception:  # noqa: BLE001 - the channel closing under us at shutdown
+                if not self._stop.is_set():
+                    log.exception("run %s: watch failed; re-subscribing", self._run_id)
+            self._stop.wait(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class ElasticRLRendezvousHandler(RendezvousHandler):
+    """A torchrun agent's view of the run's rendezvous rounds, all decided by the coordinator."""
+
+    def __init__(self, config: RendezvousConfig, *, client: CoordinatorClient | None = None):
+        self.config = config
+        if client is None:
+            try:
+                token = resolve_token(token_file=config.token_file)
+            except OSError as exc:
+                raise ValueError(f"token_file: cannot read {config.token_file!r}: {exc.strerror}") from None
+            client = CoordinatorClient(
+                config.endpoint,
+                token=token,
+                tls_ca=config.tls_ca,
+                call_timeout_s=config.call_timeout_s,
+                reconnect_timeout_s=config.connect_timeout_s,
+            )
+        self._client = client
+        self._lock = threading.Lock()
+        self._membership: Membership | None = None
+        self._views: RunViewCache | None = None
+        # The last round this handler took part in (0: none yet).
+        self._round = 0
+        self._closed_here = False
+        self._shut_down = False
+
+    @classmethod
+    def from_params(cls, params) -> "ElasticRLRendezvousHandler":
+        return cls(RendezvousConfig.from_params(params))
+
+    # -- identity ----------------------------------------------------------------------------
+
+    @property
+    def member(self) -> Membership | None:
+        return self._membership
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    def _ensure_member(self) -> Membership:
+        """The live membership, joining (again, as a new incarnation) when there is none or it was fenced."""
+        with self._lock:
+            m = self._membership
+            if m is not None and m.fenced is None:
+                return m
+            if m is not None:
+                log.warning(
+                    "run %s: %s incarnation %d was fenced (%s); joining again",
+                    self.config.run_id, m.member_id, m.incarnation, m.fenced,
+                )
+                m.stop()
+                self._membership = None
+            m = Membership(
+                self._client,
+                self.config.run_id,
+                self.config.node_id,
+                lease_ttl_s=self.config.lease_ttl_s,
+                capabilities={"role": "torchrun-agent", "local_addr": self.config.local_addr or ""},
+            )
+            self._membership = m
+            if self._views is None:
+                self._views = RunViewCache(self._client, self.config.run_id)
+        log.info(
+            "run %s: joined as %s incarnation %d (lease %.1fs) at coordinator %s",
+            self.config.run_id, m.member_id, m.incarnation, m.lease_ttl_s, self.config.endpoint,
+        )
+        # Inherited by the workers started next: ``worker.restart_grace`` sizes its wait by it.
+        os.environ[LEASE_TTL_ENV] = f"{m.lease_ttl_s:g}"
+        return m
+
+    def _drop_membership(self, m: Membership) -> None:
+        with self._lock:
+            m.stop()
+            if self._membership is m:
+                self._membership = None
+
+    # -- RendezvousHandler ---------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers bootstrap their own TCPStore on the round's rank-0 host (MASTER_ADDR/PORT).
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and block until it completes with this node in it.
+
+        Raises:
+            RendezvousClosedError: the run was closed.
+            RendezvousConnectionError: the coordinator is unreachable (after ``connect_timeout``)
+                or refused the token.
+            RendezvousTimeoutError: min nodes did not gather within ``join_timeout``.
+            RendezvousError: the coordinator rejected the request (e.g. a different ``--nnodes``).
+        """
+        cfg = self.config
+        give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
+        with rendezvous_errors(cfg.endpoint, cfg.run_id):
+            while True:
+                if self._closed_here:
+                    raise RendezvousClosedError(f"run {cfg.run_id!r} was closed by this node")
+                if self._shut_down:
+                    raise RendezvousError(f"run {cfg.run_id!r}: this handler was shut down (it left the run)")
+                m = self._ensure_member()
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise RendezvousTimeoutError(
+                        f"run {cfg.run_id!r}: no round with this node completed within "
+                        f"join_timeout={cfg.join_timeout_s:g}s (coordinator {cfg.endpoint})"
+                    )
+                try:
+                    res = self._client.round_join(
+                        cfg.run_id, m.member_id, m.incarnation,
+                        min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
+                        last_call_s=cfg.last_call_s, join_timeout_s=cfg.join_timeout_s,
+                        after_round=self._round, wait_s=min(ROUND_WAIT_CHUNK_S, max(0.05, left)),
+                    )
+                except FencedError as exc:
+                    log.warning("run %s: %s incarnation %d fenced (%s); joining again", cfg.run_id, m.member_id, m.incarnation, exc)
+                    self._drop_membership(m)
+                    continue
+                if res.status == "closed":
+                    raise RendezvousClosedError(f"run {cfg.run_id!r} on coordinator {cfg.endpoint}: {res.reason}")
+                if res.status == "timed_out":
+                    raise RendezvousTimeoutError(
+                        f"run {cfg.run_id!r}: {res.reason} (--nnodes={cfg.min_nodes}:{cfg.max_nodes}, "
+                        f"coordinator {cfg.endpoint})"
+                    )
+                if res.status != "complete":
+                    continue
+                store = CoordinatorStore(
+                    self._client, cfg.run_id, f"torchrun/round-{res.round}/", timeout_s=cfg.read_timeout_s
+                )
+                self._round = res.round
+                bootstrap = self._bootstrap(res.round, res.rank, res.participants, store)
+                if bootstrap is None:
+                    continue  # rank 0 of that round died before publishing; form the next one
+                log.info(
+                    "run %s: round %d complete: rank %d of %d [%s]; workers' store at %s:%d",
+                    cfg.run_id, res.round, res.rank, res.world_size, ", ".join(res.participants),
+                    bootstrap.master_addr, bootstrap.master_port,
+                )
+                return RendezvousInfo(store, res.rank, res.world_size, bootstrap)
+
+    def _bootstrap(
+        self, round_no: int, rank: int, participants: tuple[str, ...], store: CoordinatorStore
+    ) -> RendezvousStoreInfo | None:
+        """MASTER_ADDR/PORT of this round's rank-0 host; None if that node is gone before publishing."""
+        if rank == 0:
+            return RendezvousStoreInfo.build(0, store, self.config.local_addr)
+        keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+        give_up = time.monotonic() + self.config.read_timeout_s
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=BOOTSTRAP_POLL_S))
+                return RendezvousStoreInfo.build(rank, store, self.config.local_addr)
+            except dist.DistStoreError:
+                pass  # not published yet
+            view = self._views.view if self._views is not None else None
+            if view is not None and (
+                view.round.round > round_no or (view.round.round == round_no and participants[0] in view.round.lost)
+            ):
+                log.warning("run %s: rank 0 (%s) of round %d is gone; forming a new round", self.config.run_id, participants[0], round_no)
+                return None
+            if time.monotonic() > give_up:
+                raise RendezvousTimeoutError(
+                    f"run {self.config.run_id!r}: rank 0 ({participants[0]}) of round {round_no} did not "
+                    f"publish the workers' store address within read_timeout={self.config.read_timeout_s:g}s"
+                )
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes that want the current round re-formed: waiting to join it, or gone from it.
+
+        Read from the cached watch view: no remote call, so torchrun may poll it every 0.1 s.
+        """
+        m = self._membership
+        if m is not None and m.fenced is not None:
+            return 1  # this node itself was evicted: its workers must restart and rejoin
+        view = self._views.view if self._views is not None else None
+        if view is None or self._round == 0 or view.round.round < self._round:
+            return 0  # nothing formed yet, or the cache has not seen our own round yet
+        r = view.round
+        return policy.nodes_waiting(
+            self._round, r.round, list(r.participants), list(r.waiting), list(r.lost), r.max_nodes
+        )
+
+    def get_run_id(self) -> str:
+        return self.config.run_id
+
+    def is_closed(self) -> bool:
+        if self._closed_here:
+            return True
+        view = self._views.view if self._views is not None else None
+        return bool(view is not None and view.closed)
+
+    def set_closed(self) -> None:
+        """Close the run for every node (``CloseRun``); nobody can rendezvous in it again."""
+        with rendezvous_errors(self.config.endpoint, self.config.run_id):
+            self._client.close_run(self.config.run_id, f"closed by torchrun agent {self.config.node_id}")
+        self._closed_here = True
+
+    def shutdown(self) -> bool:
+        """This node leaves the run (its lease ends now); the run itself stays open for the others."""
+        if self._shut_down:
+            return True
+        self._shut_down = True
+        ok = True
+        if self._views is not None:
+            self._views.stop()
+        m = self._membership
+        if m is not None:
+            try:
+                m.leave("torchrun agent shut down")
+                log.info("run %s: %s left", self.config.run_id, m.member_id)
+            except ElasticRLError as exc:
+                log.warning("run %s: leaving failed (%s); the lease will lapse on its own", self.config.run_id, exc)
+                ok = False
+        self._client.close()
+        return ok

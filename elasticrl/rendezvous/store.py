@@ -1,0 +1,186 @@
+"""``CoordinatorStore``: a ``torch.distributed.Store`` whose keys live in the coordinator's KV.
+
+The torchrun agent uses the store its rendezvous returns for ``_assign_worker_ranks`` (set,
+multi_get, multi_set, get), ``RendezvousStoreInfo.build`` (set, get) and the exit barrier
+(``store_util.barrier``: add, set, wait, set_timeout). Keys are bytes under a prefix (one per run
+and round, ``torchrun/round-N/``), so nothing written in one round is read in another and no agent
+process hosts the store: any node may die without taking the store with it.
+
+Semantics follow ``TCPStore``: ``get``/``wait``/``multi_get`` block until the keys exist and raise
+``torch.distributed.DistStoreError`` after the timeout (``set_timeout``, or the ``wait`` argument;
+a zero timeout means no timeout); an unreachable coordinator raises ``DistNetworkError``.
+
+Python subclasses of ``torch.distributed.Store`` work in torch 2.13 both when Python calls them
+and when C++ does (through ``PrefixStore`` or a process group): the C++ trampoline looks up
+``set``/``get``/``add``/``compare_set``/``wait``/``check``/``multi_get``/``multi_set``/``append``/
+``has_extended_api`` by those names but ``getNumKeys`` and ``deleteKey`` in camel case, so both
+spellings are defined here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import torch.distributed as dist
+
+from elasticrl.coordinator.client import CoordinatorClient
+from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableError
+
+log = logging.getLogger(__name__)
+
+# torch's Store::kNoTimeout is zero; "no timeout" is a long wait in bounded chunks here.
+NO_TIMEOUT_S = 7 * 24 * 3600.0
+# The longest append retry loop (compare-and-set contention) before giving up.
+APPEND_RETRY_S = 30.0
+
+
+def _bytes(value) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)  # list[int] / bytearray / memoryview from C++ callers
+
+
+def _seconds(timeout) -> float:
+    if timeout is None:
+        return 0.0
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+class CoordinatorStore(dist.Store):
+    """A store over the coordinator KV of ``run_id``, every key prefixed by ``prefix``."""
+
+    def __init__(self, client: CoordinatorClient, run_id: str, prefix: str = "", *, timeout_s: float = 300.0):
+        super().__init__()
+        self._client = client
+        self._run_id = run_id
+        self._prefix = prefix.encode()
+        self.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix.decode()
+
+    def _key(self, key) -> bytes:
+        return self._prefix + _bytes(key)
+
+    def _timeout_s(self, timeout=None) -> float:
+        s = _seconds(self.timeout if timeout is None else timeout)
+        return NO_TIMEOUT_S if s <= 0 else s
+
+    def _network_error(self, exc: CoordinatorUnavailableError) -> dist.DistNetworkError:
+        return dist.DistNetworkError(f"store {self.prefix!r} of run {self._run_id!r}: {exc}")
+
+    def _wait_values(self, keys: list, timeout=None) -> list[bytes]:
+        if not keys:
+            return []
+        full = [self._key(k) for k in keys]
+        timeout_s = self._timeout_s(timeout)
+        try:
+            return self._client.kv_wait(self._run_id, full, timeout_s)
+        except CoordinatorTimeoutError:
+            shown = ", ".join(repr(k.decode(errors="replace")) for k in full[:4])
+            raise dist.DistStoreError(
+                f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {shown} (run {self._run_id!r} "
+                f"on coordinator {self._client.address})"
+            ) from None
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    # -- the Store interface -------------------------------------------------------------------
+
+    def set(self, key, value) -> None:
+        try:
+            self._client.kv_set(self._run_id, [(self._key(key), _bytes(value))])
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    def get(self, key) -> bytes:
+        return self._wait_values([key])[0]
+
+    def add(self, key, amount: int) -> int:
+        try:
+            return self._client.kv_add(self._run_id, self._key(key), int(amount))
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    def compare_set(self, key, expected_value, desired_value) -> bytes:
+        try:
+            value, _ = self._client.kv_compare_set(
+                self._run_id, self._key(key), _bytes(expected_value), _bytes(desired_value)
+            )
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+        return value
+
+    def wait(self, keys, timeout=None) -> None:
+        self._wait_values(list(keys), timeout)
+
+    def check(self, keys) -> bool:
+        full = [self._key(k) for k in keys]
+        if not full:
+            return True
+        try:
+            return all(v is not None for v in self._client.kv_get(self._run_id, full))
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    def delete_key(self, key) -> bool:
+        try:
+            return self._client.kv_delete(self._run_id, self._key(key))
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    deleteKey = delete_key  # the name torch's C++ trampoline looks up
+
+    def num_keys(self) -> int:
+        """Keys of the whole run, every prefix included (as ``PrefixStore`` over TCPStore counts)."""
+        try:
+            return self._client.kv_num_keys(self._run_id)
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    getNumKeys = num_keys  # the name torch's C++ trampoline looks up
+
+    def multi_get(self, keys) -> list[bytes]:
+        return self._wait_values(list(keys))
+
+    def multi_set(self, keys, values) -> None:
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        try:
+            self._client.kv_set(self._run_id, [(self._key(k), _bytes(v)) for k, v in zip(keys, values)])
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    def append(self, key, value) -> None:
+        """Append to the value (creating it), atomically via compare-and-set retries."""
+        full, tail = self._key(key), _bytes(value)
+        give_up = time.monotonic() + APPEND_RETRY_S
+        try:
+            while True:
+                current = self._client.kv_get(self._run_id, [full])[0]
+                expected = b"" if current is None else current
+                _, swapped = self._client.kv_compare_set(self._run_id, full, expected, expected + tail)
+                # An existing empty value and a missing key both match b"": either way it is set now.
+                if swapped:
+                    return
+                if time.monotonic() > give_up:
+                    raise dist.DistStoreError(f"append to {full!r}: value kept changing for {APPEND_RETRY_S:.0f}s")
+        except CoordinatorUnavailableError as exc:
+            raise self._network_error(exc) from None
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> "CoordinatorStore":
+        return CoordinatorStore(self._client, self._run_id, self.prefix, timeout_s=_seconds(self.timeout))
+
+    def __repr__(self) -> str:
+        return f"CoordinatorStore(run={self._run_id!r}, prefix={self.prefix!r}, coordinator={self._client.address})"

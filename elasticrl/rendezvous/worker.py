@@ -1,0 +1,70 @@
+"""Worker-side help for the elasticrl torchrun backend: let membership-driven restarts win the race.
+
+When a node dies, the survivors' collectives usually fail at once (gloo and NCCL see the peer's
+sockets close), long before the coordinator evicts the dead node when its lease lapses. If the
+worker then exits with an error, torchrun restarts the group through its ``--max-restarts`` budget,
+so a long run that loses a node now and then eventually runs out of restarts. Parking the failed
+worker instead (``restart_grace``) keeps it "healthy" in torchrun's eyes until the eviction shows
+up in ``num_nodes_waiting()``; the agent then stops it (SIGTERM) and re-forms the group without
+counting a restart. A failure that is not followed by a restart within the grace period (a real
+bug, or a peer that is merely slow) is re-raised unchanged, only later.
+
+::
+
+    from elasticrl.rendezvous.worker import restart_grace
+
+    with restart_grace():
+        train()          # all-reduces, broadcasts, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL_ENV = "ELASTICRL_RDZV_LEASE_TTL_S"  # set by the agent's handler, inherited by workers
+# Beyond the lease TTL: the coordinator's tick, the watch push and torchrun's monitor interval.
+GRACE_SLACK_S = 2.0
+DEFAULT_GRACE_S = 10.0
+
+
+def default_grace_s() -> float:
+    """Lease TTL + slack when the agent uses the elasticrl backend, else a fixed default."""
+    try:
+        return float(os.environ[LEASE_TTL_ENV]) * 1.5 + GRACE_SLACK_S
+    except (KeyError, ValueError):
+        return DEFAULT_GRACE_S
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Errors that a dead peer causes in a collective or in the workers' store."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("gloo", "nccl", "connection", "peer", "socket", "timed out", "timeout")
+    )
+
+
+@contextlib.contextmanager
+def restart_grace(grace_s: float | None = None):
+    """On a peer failure inside the block, wait up to ``grace_s`` for torchrun to restart this
+    worker (it sends SIGTERM), then re-raise. Other exceptions pass through at once."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_peer_failure(exc):
+            raise
+        wait_s = default_grace_s() if grace_s is None else grace_s
+        log.warning(
+            "rank %s: collective failed (%s: %s); waiting up to %.1fs for the agent to re-form the group",
+            os.environ.get("RANK", "?"), type(exc).__name__, str(exc).splitlines()[0][:200], wait_s,
+        )
+        time.sleep(wait_s)
+        raise
