@@ -131,21 +131,27 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
         return RoundDecision("wait", (), "nobody is waiting")
     n = len(waiting)
     if n >= cfg.min_nodes:
+        ids = {m for m, _ in waiting}
+        prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
+        started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
+        last_call_over = now >= started + cfg.last_call_s
         if n >= cfg.max_nodes:
+            # A standby newcomer must not take the slot of a live participant of the previous
+            # round that is still restarting: hold the slots until it rejoins or last call ends.
+            held = [m for m in prev_live if m not in ids]
+            if held and not last_call_over:
+                return RoundDecision("wait", (), f"holding slots for {', '.join(held)} of round {rdzv.round}")
             chosen = _prefer_previous(rdzv.participants, waiting)[: cfg.max_nodes]
             return RoundDecision(
                 "complete", assign_ranks(rdzv.participants, chosen), f"max_nodes={cfg.max_nodes} joined"
             )
-        ids = {m for m, _ in waiting}
-        prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
         if rdzv.round > 0 and prev_live and all(m in ids for m in prev_live):
             return RoundDecision(
                 "complete",
                 assign_ranks(rdzv.participants, waiting),
                 f"all {len(prev_live)} live participant(s) of round {rdzv.round} rejoined, {n} node(s) in all",
             )
-        started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
-        if now >= started + cfg.last_call_s:
+        if last_call_over:
             return RoundDecision(
                 "complete",
                 assign_ranks(rdzv.participants, waiting),

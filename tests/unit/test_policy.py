@@ -170,6 +170,22 @@ def test_reform_skips_last_call_when_survivors_rejoined():
     assert [m for m, _ in d.participants] == ["c", "b"]
 
 
+def test_full_round_holds_slots_for_restarting_participants():
+    run = make_run("a", "b", "standby")
+    r = rdzv(max_nodes=2, last_call=1.0)
+    r.round, r.participants = 1, [("a", 1), ("b", 2)]
+    # a's workers failed and it rejoined; the standby node is waiting; b is still restarting
+    wait(r, run, "standby", "a", since=3.0)
+    assert policy.decide_round(r, run, now=3.5).action == "wait"
+    r.waiting["b"] = 2
+    d = policy.decide_round(r, run, now=3.5)
+    assert d.action == "complete" and [m for m, _ in d.participants] == ["a", "b"]
+    # if b never comes back, the standby node gets the slot when last call ends
+    del r.waiting["b"]
+    d = policy.decide_round(r, run, now=4.0)
+    assert d.action == "complete" and {m for m, _ in d.participants} == {"a", "standby"}
+
+
 def test_round_times_out_below_min_nodes():
     run = make_run("a", "b")
     r = rdzv(min_nodes=3, max_nodes=3, join_timeout=10.0)
