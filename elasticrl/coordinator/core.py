@@ -103,6 +103,9 @@ class CoordinatorCore:
         self.started_at = clock()
         self.runs: dict[str, Run] = db.load(clock())
         self._barrier_events: dict[tuple[str, str], asyncio.Event] = {}
+        # Per open barrier, a superset of the expected members that are live and have not arrived
+        # (built on first use, shrunk per arrival): lets an arrival skip the O(N) decision.
+        self._not_arrived: dict[tuple[str, str], set[str]] = {}
         self._kv_events: dict[str, asyncio.Event] = {}
         self._round_events: dict[str, asyncio.Event] = {}
         self._watchers: dict[str, set[Watcher]] = {}
@@ -293,7 +296,7 @@ class CoordinatorCore:
             with self.db.tx() as db:
                 db.put_arrival(run_id, name, member_id, incarnation)
             barrier.arrived[member_id] = incarnation
-            self._decide_barrier(run, barrier)
+            self._decide_after_arrival(run, barrier, member_id)
         if barrier.result is not None:
             return barrier.result
         event = self._barrier_events.setdefault((run_id, name), asyncio.Event())
@@ -304,6 +307,20 @@ class CoordinatorCore:
         if not run.is_live(member_id, incarnation):
             self._fence(run, member_id, incarnation)  # evicted while waiting: raises FencedError
         return barrier.result
+
+    def _decide_after_arrival(self, run: Run, barrier: Barrier, member_id: str) -> None:
+        """Decide ``barrier`` after ``member_id`` arrived, in O(1) while it is plainly still blocked.
+
+        Dropping ``member_id`` from the not-arrived set is right whatever incarnation arrived: the
+        arrival passed the fence, so either it is the expected incarnation or that one is not live.
+        """
+        key = (run.run_id, barrier.name)
+        pending = self._not_arrived.get(key)
+        if pending is None:
+            pending = self._not_arrived[key] = {m for m, inc in barrier.expected.items() if barrier.arrived.get(m) != inc}
+        pending.discard(member_id)
+        if not policy.barrier_blocked(barrier, run, self.clock(), pending):
+            self._decide_barrier(run, barrier)
 
     def _decide_barrier(self, run: Run, barrier: Barrier) -> None:
         decision = policy.decide_barrier(barrier, run, self.clock())
@@ -316,6 +333,7 @@ class CoordinatorCore:
             db.delete_arrivals(run.run_id, barrier.name)
         barrier.result = decision.result
         run.open_barriers.pop(barrier.name, None)
+        self._not_arrived.pop((run.run_id, barrier.name), None)
         if decision.result.outcome is Outcome.TIMED_OUT or decision.result.evicted:
             log.warning("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
         else:

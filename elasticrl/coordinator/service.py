@@ -145,8 +145,14 @@ def _arrive_response(result: BarrierResult | None, epoch: int) -> pb.ArriveRespo
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    # Decided barriers whose response is kept, so that it is built once, not once per member.
+    DECIDED_RESPONSES = 64
+
     def __init__(self, core: CoordinatorCore):
         self.core = core
+        # id(result) -> (result, response). A decided result never changes, and holding it here
+        # keeps its id from being reused while the entry lives.
+        self._decided: dict[int, tuple[BarrierResult, pb.ArriveResponse]] = {}
 
     # -- membership --------------------------------------------------------------------------
 
@@ -228,7 +234,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             policy_=_POLICY[request.policy],
             wait_s=v.duration_ms("wait_ms", request.wait_ms),
         )
-        return _arrive_response(result, self.core.runs[run_id].epoch)
+        if result is None:
+            return _arrive_response(None, self.core.runs[run_id].epoch)
+        return self._decided_response(result)
+
+    def _decided_response(self, result: BarrierResult) -> pb.ArriveResponse:
+        """The one response every member of a decided barrier gets (its ``arrived`` alone lists
+        all N members, so building it per member made a barrier's release O(N^2))."""
+        hit = self._decided.get(id(result))
+        if hit is not None and hit[0] is result:
+            return hit[1]
+        if len(self._decided) >= self.DECIDED_RESPONSES:
+            self._decided.clear()
+        response = _arrive_response(result, result.epoch)
+        self._decided[id(result)] = (result, response)
+        return response
 
     # -- KV ----------------------------------------------------------------------------------
 

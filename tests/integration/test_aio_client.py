@@ -1,8 +1,10 @@
-"""AsyncCoordinatorClient against a real coordinator subprocess: barrier, KV, fencing."""
+"""AsyncCoordinatorClient against a real coordinator subprocess: barrier, KV, fencing, restart."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -55,5 +57,22 @@ def test_stale_incarnation_is_fenced(coordinator):
             with pytest.raises(FencedError):
                 await client.arrive("run-fence", "node-0", old.incarnation, "b", timeout_s=1)
             await client.keep_alive("run-fence", "node-0", new.incarnation)
+
+    _run(scenario())
+
+
+def test_call_retries_while_the_coordinator_restarts(coordinator):
+    async def scenario():
+        async with AsyncCoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=15) as client:
+            member = await client.join("run-restart", "node-0", lease_ttl_s=5)
+            coordinator.kill()
+            restart = threading.Timer(0.5, coordinator.start)  # same port, same state dir
+            restart.start()
+            try:
+                started = time.monotonic()
+                await client.keep_alive("run-restart", "node-0", member.incarnation)  # UNAVAILABLE, then retried
+                assert 0.4 < time.monotonic() - started < 15  # it did wait for the restart, within budget
+            finally:
+                restart.join()
 
     _run(scenario())

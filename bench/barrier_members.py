@@ -1,0 +1,241 @@
+"""A bench worker process: drives a share of the members of one barrier, for ``bench/coordinator.py``.
+
+One process plays many members (asyncio tasks, or threads for TCPStore, whose calls block), so
+hundreds of members fit a small machine. The driver talks to it with one JSON object per line:
+commands on stdin, replies on stdout, each reply naming its ``op``. Commands:
+
+* ``{"op": "setup", "impl": ..., "members": [...], "ranks": [...], "world": N, ...}``: join the
+  coordinator (and start one keep-alive loop per member), connect TCPStore clients, or prepare
+  the flag directory. Replied once every member is ready.
+* ``{"op": "round", "name": B, "hold": R}``: every member of this process arrives at barrier
+  ``B`` at once, except rank ``R`` (if it lives here), which waits for ``go``. The round runs in
+  the background (so ``go`` can be read meanwhile) and is replied once all are released, with
+  ``"times": [[sent, released], ...]``, ``"evicted": [...]`` and ``"cpu_s"`` (CPU seconds this
+  process spent in the round). Times are ``time.monotonic()`` (CLOCK_MONOTONIC, comparable
+  across processes on one host): ``sent`` just before a member issued its arrival, ``released``
+  just after its barrier call returned.
+* ``{"op": "go"}``: the held member arrives now; replied at once.
+* ``{"op": "teardown"}``: stop keep-alives and close connections (no Leave: the driver discards
+  the whole coordinator or store afterwards).
+
+Every reply carries ``"ok"``; a failure replies ``{"ok": false, "op": ..., "error": "..."}`` and
+the driver stops the bench.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+
+class CoordinatorMembers:
+    """Members that join the elasticrl coordinator, keep their leases and arrive at leased barriers."""
+
+    def __init__(self, cfg: dict):
+        from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
+
+        self.cfg = cfg
+        self.run_id = cfg["run_id"]
+        n_channels = 1 if cfg.get("shared_channel") else len(cfg["members"])
+        self.clients = [AsyncCoordinatorClient(cfg["address"], call_timeout_s=30, reconnect_timeout_s=10) for _ in range(n_channels)]
+        self.refs: list[tuple[str, int]] = []
+        self.keepalives: list[asyncio.Task] = []
+
+    def _client(self, i: int):
+        return self.clients[i % len(self.clients)]
+
+    async def setup(self) -> None:
+        ttl = self.cfg["lease_ttl_s"]
+        joined = await asyncio.gather(
+            *(self._client(i).join(self.run_id, m, host="bench", lease_ttl_s=ttl) for i, m in enumerate(self.cfg["members"]))
+        )
+        self.refs = [(j.member_id, j.incarnation) for j in joined]
+        self.keepalives = [asyncio.create_task(self._keep_alive(i)) for i in range(len(self.refs))]
+
+    async def _keep_alive(self, i: int) -> None:
+        # Same period as client.Membership (a third of the TTL), phases spread so renewals do not
+        # arrive as one burst.
+        period = self.cfg["lease_ttl_s"] / 3
+        await asyncio.sleep(random.uniform(0, period))
+        mid, inc = self.refs[i]
+        while True:
+            await self._client(i).keep_alive(self.run_id, mid, inc, retry_s=period)
+            await asyncio.sleep(period)
+
+    async def _arrive(self, i: int, name: str, gate: asyncio.Event | None):
+        if gate is not None:
+            await gate.wait()
+        mid, inc = self.refs[i]
+        sent = time.monotonic()
+        result = await self._client(i).arrive(self.run_id, mid, inc, name, timeout_s=self.cfg["barrier_timeout_s"])
+        released = time.monotonic()
+        return sent, released, result
+
+    async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
+        ranks = self.cfg["ranks"]
+        done = await asyncio.gather(*(self._arrive(i, name, gates.get(ranks[i])) for i in range(len(self.refs))))
+        for _, _, result in done:
+            # Every live member must be counted; the failure scenario also reports the evicted one.
+            expected = self.cfg["world"] - len(result.evicted)
+            assert len(result.arrived) == expected, f"barrier {name}: {len(result.arrived)} arrived, expected {expected}"
+        return {"times": [[s, r] for s, r, _ in done], "evicted": sorted(done[0][2].evicted) if done else []}
+
+    async def teardown(self) -> None:
+        for task in self.keepalives:
+            task.cancel()
+        await asyncio.gather(*self.keepalives, return_exceptions=True)
+        for client in self.clients:
+            await client.close()
+
+
+class TCPStoreMembers:
+    """The baseline on torch's TCPStore: ``torch.distributed.elastic.utils.store.barrier`` per member.
+
+    TCPStore calls block (they release the GIL), so each member is a thread with its own client.
+    """
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.stores: list = []
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def setup(self) -> None:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        timeout = datetime.timedelta(seconds=self.cfg["barrier_timeout_s"])
+        host, port = self.cfg["address"].rsplit(":", 1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.cfg["members"]), thread_name_prefix="member")
+        # Connected in parallel: a connect can stall on a slow reverse DNS lookup (see the driver).
+        connect = lambda _: TCPStore(host, int(port), is_master=False, timeout=timeout)  # noqa: E731
+        self.stores = list(self.pool.map(connect, self.cfg["members"]))
+
+    def _arrive(self, store, name: str) -> tuple[float, float]:
+        from torch.distributed.elastic.utils.store import barrier
+
+        sent = time.monotonic()
+        barrier(store, self.cfg["world"], key_prefix=name, barrier_timeout=self.cfg["barrier_timeout_s"])
+        return sent, time.monotonic()
+
+    async def _arrive_gated(self, store, name: str, gate: asyncio.Event | None) -> tuple[float, float]:
+        if gate is not None:
+            await gate.wait()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._arrive, store, name)
+
+    async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
+        ranks = self.cfg["ranks"]
+        done = await asyncio.gather(*(self._arrive_gated(s, name, gates.get(ranks[i])) for i, s in enumerate(self.stores)))
+        return {"times": [list(t) for t in done], "evicted": []}
+
+    async def teardown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.stores = []
+
+
+class FlagFileMembers:
+    """The shared-filesystem baseline: each member writes ``<name>_rank_<r>`` into one directory,
+    then lists the directory every ``poll_s`` until all ``world`` flags of ``name`` are there."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+
+    async def setup(self) -> None:
+        os.makedirs(self.cfg["flag_dir"], exist_ok=True)
+
+    async def _arrive(self, rank: int, name: str, gate: asyncio.Event | None) -> tuple[float, float]:
+        if gate is not None:
+            await gate.wait()
+        flag_dir, world, prefix = self.cfg["flag_dir"], self.cfg["world"], f"{name}_rank_"
+        sent = time.monotonic()
+        with open(os.path.join(flag_dir, f"{prefix}{rank}"), "w") as f:
+            f.write("1")
+        while sum(1 for entry in os.listdir(flag_dir) if entry.startswith(prefix)) < world:
+            await asyncio.sleep(self.cfg["poll_s"])
+        return sent, time.monotonic()
+
+    async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
+        done = await asyncio.gather(*(self._arrive(r, name, gates.get(r)) for r in self.cfg["ranks"]))
+        return {"times": [list(t) for t in done], "evicted": []}
+
+    async def teardown(self) -> None:
+        pass
+
+
+IMPLS = {"coordinator": CoordinatorMembers, "tcpstore": TCPStoreMembers, "flagfile": FlagFileMembers}
+
+
+def _reply(msg: dict) -> None:
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def _failed(op: str, exc: BaseException) -> dict:
+    traceback.print_exc()
+    return {"ok": False, "op": op, "error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _run_round(members, name: str, gates: dict[int, asyncio.Event]) -> None:
+    try:
+        cpu = time.process_time()  # this process, all threads: the members' client-side cost
+        result = await members.round(name, gates)
+        _reply({"ok": True, "op": "round", "cpu_s": time.process_time() - cpu, **result})
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, which fails the bench
+        _reply(_failed("round", exc))
+
+
+async def serve() -> None:
+    loop = asyncio.get_running_loop()
+    members = None
+    round_task: asyncio.Task | None = None
+    gates: dict[int, asyncio.Event] = {}
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break  # the driver went away
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "setup":
+                members = IMPLS[cmd["impl"]](cmd)
+                await members.setup()
+            elif op == "round":
+                assert members is not None, "round before setup"
+                assert round_task is None or round_task.done(), "round while another round runs"
+                hold = cmd.get("hold")
+                gates = {hold: asyncio.Event()} if hold is not None else {}
+                round_task = asyncio.create_task(_run_round(members, cmd["name"], gates))
+                continue  # replied by the round task once every member here is released
+            elif op == "go":
+                for gate in gates.values():
+                    gate.set()
+            elif op == "teardown":
+                if round_task is not None:
+                    round_task.cancel()
+                if members is not None:
+                    await members.teardown()
+                members = None
+            else:
+                raise ValueError(f"op: unknown command {op!r}")
+            reply = {"ok": True, "op": op}
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which fails the bench
+            reply = _failed(op, exc)
+        _reply(reply)
+    if members is not None:
+        await members.teardown()
+
+
+def main() -> int:
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
