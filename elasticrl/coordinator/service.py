@@ -150,9 +150,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def __init__(self, core: CoordinatorCore):
         self.core = core
-        # id(result) -> (result, response). A decided result never changes, and holding it here
-        # keeps its id from being reused while the entry lives.
-        self._decided: dict[int, tuple[BarrierResult, pb.ArriveResponse]] = {}
+        # (run id, barrier name) -> (result, response); a decided result never changes.
+        self._decided: dict[tuple[str, str], tuple[BarrierResult, pb.ArriveResponse]] = {}
 
     # -- membership --------------------------------------------------------------------------
 
@@ -236,18 +235,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         if result is None:
             return _arrive_response(None, self.core.runs[run_id].epoch)
-        return self._decided_response(result)
+        return self._decided_response((run_id, request.name), result)
 
-    def _decided_response(self, result: BarrierResult) -> pb.ArriveResponse:
+    def _decided_response(self, key: tuple[str, str], result: BarrierResult) -> pb.ArriveResponse:
         """The one response every member of a decided barrier gets (its ``arrived`` alone lists
         all N members, so building it per member made a barrier's release O(N^2))."""
-        hit = self._decided.get(id(result))
+        hit = self._decided.get(key)
         if hit is not None and hit[0] is result:
             return hit[1]
         if len(self._decided) >= self.DECIDED_RESPONSES:
             self._decided.clear()
         response = _arrive_response(result, result.epoch)
-        self._decided[id(result)] = (result, response)
+        self._decided[key] = (result, response)
         return response
 
     # -- KV ----------------------------------------------------------------------------------
