@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +24,10 @@ import tenacity
 
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
-from elasticrl.coordinator import codes
-from elasticrl.coordinator.state import BarrierResult, Outcome, RoundResult
+from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator.state import BarrierResult, RoundResult
+from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import (
-    BarrierTimeoutError,
     CoordinatorTimeoutError,
     CoordinatorUnavailableError,
     ElasticRLError,
@@ -38,24 +37,6 @@ from elasticrl.errors import (
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ELASTICRL_TOKEN"
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 << 20),
-    ("grpc.max_send_message_length", 16 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.enable_retries", 0),
-    # Reconnect quickly after a coordinator restart instead of gRPC's default 1-120 s backoff.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-# The longest single server-side wait; longer waits are repeated calls.
-MAX_WAIT_CHUNK_S = 20.0
-# Slack between a server-side wait and the call's gRPC deadline.
-DEADLINE_SLACK_S = 5.0
-
-_POLICY = {"evict_missing": pb.TIMEOUT_POLICY_EVICT_MISSING, "report": pb.TIMEOUT_POLICY_REPORT}
 _ROUND_STATUS = {
     pb.ROUND_STATUS_COMPLETE: "complete",
     pb.ROUND_STATUS_WAITING: "waiting",
@@ -131,19 +112,11 @@ class CoordinatorClient:
         call_timeout_s: float = 10.0,
         reconnect_timeout_s: float = 30.0,
     ):
-        if ":" not in address:
-            raise ValueError(f"address: {address!r} must be HOST:PORT")
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
-        token = resolve_token(token)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        if tls_ca is not None:
-            with open(tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self._channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = wire.auth_metadata(resolve_token(token))
+        self._channel = wire.open_channel(address, tls_ca, aio=False)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
@@ -168,7 +141,7 @@ class CoordinatorClient:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(codes.is_retryable),
-            wait=tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05),
+            wait=wire.retry_wait(),
             stop=tenacity.stop_after_delay(budget),
             before_sleep=lambda rs: log.debug("coordinator %s unavailable, retrying %s", self.address, method),
             reraise=True,
@@ -192,23 +165,18 @@ class CoordinatorClient:
     ) -> JoinResult:
         resp = self._call(
             "Join",
-            pb.JoinRequest(
-                run_id=run_id,
-                member_id=member_id,
-                host=socket.gethostname() if host is None else host,
-                weight=weight,
-                capabilities=capabilities or {},
-                lease_ttl_ms=int(lease_ttl_s * 1000),
+            wire.join_request(
+                run_id, member_id, host=host, weight=weight, capabilities=capabilities, lease_ttl_s=lease_ttl_s
             ),
         )
         return JoinResult(run_id, resp.member.member_id, resp.member.incarnation, resp.epoch, resp.lease_ttl_ms / 1000)
 
     def keep_alive(self, run_id: str, member_id: str, incarnation: int, *, retry_s: float | None = None) -> int:
-        ref = pb.MemberRef(member_id=member_id, incarnation=incarnation)
+        ref = wire.member_ref(member_id, incarnation)
         return self._call("KeepAlive", pb.KeepAliveRequest(run_id=run_id, member=ref), retry_s=retry_s).epoch
 
     def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "") -> int:
-        ref = pb.MemberRef(member_id=member_id, incarnation=incarnation)
+        ref = wire.member_ref(member_id, incarnation)
         return self._call("Leave", pb.LeaveRequest(run_id=run_id, member=ref, reason=reason)).epoch
 
     def watch(self, run_id: str, *, stop: threading.Event | None = None) -> Iterator[RunView]:
@@ -256,47 +224,26 @@ class CoordinatorClient:
         Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
         ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``.
         """
-        if policy not in _POLICY:
-            raise ValueError(f"policy: {policy!r} is not one of {sorted(_POLICY)}")
         give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self.reconnect_timeout_s
-        ref = pb.MemberRef(member_id=member_id, incarnation=incarnation)
         while True:
             wait_s = max(0.05, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
-            resp = self._call(
-                "Arrive",
-                pb.ArriveRequest(
-                    run_id=run_id,
-                    member=ref,
-                    name=name,
-                    epoch=epoch,
-                    timeout_ms=max(1, int(timeout_s * 1000)),
-                    policy=_POLICY[policy],
-                    wait_ms=max(1, int(wait_s * 1000)),
-                ),
-                timeout_s=wait_s + DEADLINE_SLACK_S,
+            request = wire.arrive_request(
+                run_id, member_id, incarnation, name, timeout_s=timeout_s, policy=policy, epoch=epoch, wait_s=wait_s
             )
-            if resp.outcome == pb.BARRIER_OUTCOME_COMPLETED:
-                return BarrierResult(
-                    Outcome.COMPLETED, list(resp.arrived), list(resp.evicted), list(resp.missing), resp.epoch, resp.reason
-                )
-            if resp.outcome == pb.BARRIER_OUTCOME_TIMED_OUT:
-                raise BarrierTimeoutError(
-                    f"barrier {name!r}: {resp.reason}", name=name, missing=list(resp.missing), arrived=list(resp.arrived)
-                )
+            result = wire.arrive_outcome(name, self._call("Arrive", request, timeout_s=wait_s + DEADLINE_SLACK_S))
+            if result is not None:
+                return result
             if time.monotonic() >= give_up:
                 raise CoordinatorTimeoutError(f"barrier {name!r} was not decided within {timeout_s:.3f}s")
 
     # -- key-value ---------------------------------------------------------------------------
 
     def kv_set(self, run_id: str, pairs: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> None:
-        items = pairs.items() if isinstance(pairs, dict) else pairs
-        self._call("KVSet", pb.KVSetRequest(run_id=run_id, pairs=[pb.KVPair(key=k, value=v) for k, v in items]))
+        self._call("KVSet", wire.kv_set_request(run_id, pairs))
 
     def kv_get(self, run_id: str, keys: list[bytes]) -> list[bytes | None]:
         """Current values; None for a missing key. Never waits."""
-        resp = self._call("KVGet", pb.KVGetRequest(run_id=run_id, keys=keys))
-        missing = set(resp.missing)
-        return [None if k in missing else val for k, val in zip(keys, resp.values)]
+        return wire.kv_values(keys, self._call("KVGet", pb.KVGetRequest(run_id=run_id, keys=keys)))
 
     def kv_wait(self, run_id: str, keys: list[bytes], timeout_s: float) -> list[bytes]:
         """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after ``timeout_s``."""
@@ -306,9 +253,7 @@ class CoordinatorClient:
             wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, left))
             try:
                 resp = self._call(
-                    "KVGet",
-                    pb.KVGetRequest(run_id=run_id, keys=keys, wait_ms=max(1, int(wait_s * 1000))),
-                    timeout_s=wait_s + DEADLINE_SLACK_S,
+                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S
                 )
                 return list(resp.values)
             except CoordinatorTimeoutError:
@@ -348,7 +293,7 @@ class CoordinatorClient:
             "RoundJoin",
             pb.RoundJoinRequest(
                 run_id=run_id,
-                member=pb.MemberRef(member_id=member_id, incarnation=incarnation),
+                member=wire.member_ref(member_id, incarnation),
                 config=pb.RoundConfig(
                     min_nodes=min_nodes,
                     max_nodes=max_nodes,

@@ -1,0 +1,112 @@
+"""What the sync and async clients share: channels, retry timing, request builders, response decoders.
+
+The two clients differ only in how they wait (threads vs an event loop); everything that decides
+what goes on the wire and how an answer is read lives here once.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import tenacity
+
+from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl.coordinator.state import BarrierResult, Outcome
+from elasticrl.errors import BarrierTimeoutError
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.enable_retries", 0),
+    # Reconnect quickly after a coordinator restart instead of gRPC's default 1-120 s backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# The longest single server-side wait; longer waits are repeated calls.
+MAX_WAIT_CHUNK_S = 20.0
+# Slack between a server-side wait and the call's gRPC deadline.
+DEADLINE_SLACK_S = 5.0
+
+POLICIES = {"evict_missing": pb.TIMEOUT_POLICY_EVICT_MISSING, "report": pb.TIMEOUT_POLICY_REPORT}
+
+
+def open_channel(address: str, tls_ca: str | None, *, aio: bool):
+    """A (grpc or grpc.aio) channel to ``address``: TLS verified against ``tls_ca`` when given."""
+    if ":" not in address:
+        raise ValueError(f"address: {address!r} must be HOST:PORT")
+    mod = grpc.aio if aio else grpc
+    if tls_ca is None:
+        return mod.insecure_channel(address, options=CHANNEL_OPTIONS)
+    with open(tls_ca, "rb") as f:
+        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    return mod.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def retry_wait():
+    """Backoff between reconnect attempts: exponential from 50 ms to 1 s, plus up to 50 ms jitter."""
+    return tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05)
+
+
+def join_request(run_id, member_id, *, host, weight, capabilities, lease_ttl_s) -> pb.JoinRequest:
+    return pb.JoinRequest(
+        run_id=run_id,
+        member_id=member_id,
+        host=socket.gethostname() if host is None else host,
+        weight=weight,
+        capabilities=capabilities or {},
+        lease_ttl_ms=int(lease_ttl_s * 1000),
+    )
+
+
+def member_ref(member_id: str, incarnation: int) -> pb.MemberRef:
+    return pb.MemberRef(member_id=member_id, incarnation=incarnation)
+
+
+def arrive_request(run_id, member_id, incarnation, name, *, timeout_s, policy, epoch, wait_s) -> pb.ArriveRequest:
+    if policy not in POLICIES:
+        raise ValueError(f"policy: {policy!r} is not one of {sorted(POLICIES)}")
+    return pb.ArriveRequest(
+        run_id=run_id,
+        member=member_ref(member_id, incarnation),
+        name=name,
+        epoch=epoch,
+        timeout_ms=max(1, int(timeout_s * 1000)),
+        policy=POLICIES[policy],
+        wait_ms=max(1, int(wait_s * 1000)),
+    )
+
+
+def arrive_outcome(name: str, resp: pb.ArriveResponse) -> BarrierResult | None:
+    """The decided result, None while pending; ``BarrierTimeoutError`` for a REPORT timeout."""
+    if resp.outcome == pb.BARRIER_OUTCOME_COMPLETED:
+        return BarrierResult(
+            Outcome.COMPLETED, list(resp.arrived), list(resp.evicted), list(resp.missing), resp.epoch, resp.reason
+        )
+    if resp.outcome == pb.BARRIER_OUTCOME_TIMED_OUT:
+        raise BarrierTimeoutError(
+            f"barrier {name!r}: {resp.reason}", name=name, missing=list(resp.missing), arrived=list(resp.arrived)
+        )
+    return None
+
+
+def kv_set_request(run_id: str, pairs) -> pb.KVSetRequest:
+    items = pairs.items() if isinstance(pairs, dict) else pairs
+    return pb.KVSetRequest(run_id=run_id, pairs=[pb.KVPair(key=k, value=v) for k, v in items])
+
+
+def kv_wait_request(run_id: str, keys: list[bytes], wait_s: float) -> pb.KVGetRequest:
+    return pb.KVGetRequest(run_id=run_id, keys=keys, wait_ms=max(1, int(wait_s * 1000)))
+
+
+def kv_values(keys: list[bytes], resp: pb.KVGetResponse) -> list[bytes | None]:
+    missing = set(resp.missing)
+    return [None if k in missing else val for k, val in zip(keys, resp.values)]
