@@ -77,7 +77,10 @@ class CoordinatorConfig:
     def read_token(self) -> str | None:
         if self.token_file is None:
             return None
-        token = pathlib.Path(self.token_file).read_text().strip()
+        try:
+            token = pathlib.Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"token_file: cannot read {self.token_file!r}: {exc.strerror}") from None
         if not token:
             raise ValueError(f"token_file: {self.token_file} is empty")
         return token
@@ -133,12 +136,15 @@ class CoordinatorServer:
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{config.host}:{config.port}"
-        if config.tls_cert:
-            self.port = self.server.add_secure_port(address, read_tls(config.tls_cert, config.tls_key))
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if config.tls_cert:
+                self.port = self.server.add_secure_port(address, read_tls(config.tls_cert, config.tls_key))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc reports a failed bind this way
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {address} (in use, or not an address of this host?)")
+            raise OSError(f"could not bind {address}: the port is in use or the host is not an address of this machine")
         self._tick_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 

@@ -220,3 +220,17 @@ def test_status_cli_table_and_json(coordinator, client):
     )
     assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr and "Traceback" not in bad.stderr
     m.leave()
+
+
+def test_port_in_use_and_bad_flags_fail_with_a_clear_message(coordinator, tmp_path):
+    base = [sys.executable, "-m", "elasticrl", "coordinator"]
+    cases = [
+        (["--port", str(coordinator.port)], "could not bind"),
+        (["--port", "0", "--lease-ttl", "0.01"], "lease_ttl_s"),
+        (["--port", "0", "--token-file", str(tmp_path / "missing")], "token_file: cannot read"),
+        (["--port", "0", "--tls-cert", "cert.pem"], "tls_cert and tls_key go together"),
+    ]
+    for args, message in cases:
+        out = subprocess.run(base + args, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 2, (args, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
