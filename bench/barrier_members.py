@@ -5,8 +5,9 @@ hundreds of members fit a small machine. The driver talks to it with one JSON ob
 commands on stdin, replies on stdout, each reply naming its ``op``. Commands:
 
 * ``{"op": "setup", "impl": ..., "members": [...], "ranks": [...], "world": N, ...}``: join the
-  coordinator (and start one keep-alive loop per member), connect TCPStore clients, or prepare
-  the flag directory. Replied once every member is ready.
+  coordinator (and start one keep-alive loop per member; with ``"transport": "session"`` each
+  member also opens its Session stream), connect TCPStore clients, or prepare the flag
+  directory. Replied once every member is ready.
 * ``{"op": "round", "name": B, "hold": R}``: every member of this process arrives at barrier
   ``B`` at once, except rank ``R`` (if it lives here), which waits for ``go``. The round runs in
   the background (so ``go`` can be read meanwhile) and is replied once all are released, with
@@ -35,7 +36,11 @@ import traceback
 
 
 class CoordinatorMembers:
-    """Members that join the elasticrl coordinator, keep their leases and arrive at leased barriers."""
+    """Members that join the elasticrl coordinator, keep their leases and arrive at leased barriers.
+
+    ``transport`` "unary": one Arrive / KeepAlive call per operation; "session": each member
+    opens one Session stream after joining and sends both as messages on it.
+    """
 
     def __init__(self, cfg: dict):
         from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
@@ -45,6 +50,7 @@ class CoordinatorMembers:
         n_channels = 1 if cfg.get("shared_channel") else len(cfg["members"])
         self.clients = [AsyncCoordinatorClient(cfg["address"], call_timeout_s=30, reconnect_timeout_s=10) for _ in range(n_channels)]
         self.refs: list[tuple[str, int]] = []
+        self.sessions: list = []  # one AsyncSession per member with transport "session"
         self.keepalives: list[asyncio.Task] = []
 
     def _client(self, i: int):
@@ -56,6 +62,9 @@ class CoordinatorMembers:
             *(self._client(i).join(self.run_id, m, host="bench", lease_ttl_s=ttl) for i, m in enumerate(self.cfg["members"]))
         )
         self.refs = [(j.member_id, j.incarnation) for j in joined]
+        if self.cfg.get("transport", "unary") == "session":
+            self.sessions = [self._client(i).session(self.run_id, mid, inc) for i, (mid, inc) in enumerate(self.refs)]
+            await asyncio.gather(*(s.keep_alive() for s in self.sessions))  # opens every stream
         self.keepalives = [asyncio.create_task(self._keep_alive(i)) for i in range(len(self.refs))]
 
     async def _keep_alive(self, i: int) -> None:
@@ -65,7 +74,10 @@ class CoordinatorMembers:
         await asyncio.sleep(random.uniform(0, period))
         mid, inc = self.refs[i]
         while True:
-            await self._client(i).keep_alive(self.run_id, mid, inc, retry_s=period)
+            if self.sessions:
+                await self.sessions[i].keep_alive()
+            else:
+                await self._client(i).keep_alive(self.run_id, mid, inc, retry_s=period)
             await asyncio.sleep(period)
 
     async def _arrive(self, i: int, name: str, gate: asyncio.Event | None):
@@ -73,7 +85,10 @@ class CoordinatorMembers:
             await gate.wait()
         mid, inc = self.refs[i]
         sent = time.monotonic()
-        result = await self._client(i).arrive(self.run_id, mid, inc, name, timeout_s=self.cfg["barrier_timeout_s"])
+        if self.sessions:
+            result = await self.sessions[i].arrive(name, timeout_s=self.cfg["barrier_timeout_s"])
+        else:
+            result = await self._client(i).arrive(self.run_id, mid, inc, name, timeout_s=self.cfg["barrier_timeout_s"])
         released = time.monotonic()
         return sent, released, result
 
@@ -90,6 +105,8 @@ class CoordinatorMembers:
         for task in self.keepalives:
             task.cancel()
         await asyncio.gather(*self.keepalives, return_exceptions=True)
+        for session in self.sessions:
+            await session.close()
         for client in self.clients:
             await client.close()
 

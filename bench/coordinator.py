@@ -4,7 +4,9 @@ Everything is measured in one run on this host. The same barrier is built three 
 
 * ``coordinator``: the leased barrier of a real ``elasticrl coordinator`` subprocess (in-memory
   state, and durable SQLite/WAL state, the default deployment), members using
-  ``AsyncCoordinatorClient`` with one gRPC channel each and a keep-alive loop each;
+  ``AsyncCoordinatorClient`` with one gRPC channel each and a keep-alive loop each, over one of
+  two transports (``--transports``): ``unary``, one Arrive/KeepAlive call per operation, and
+  ``session``, one long-lived Session stream per member carrying both as messages;
 * ``tcpstore``: ``torch.distributed.elastic.utils.store.barrier`` (add + wait on a key) on a
   ``torch.distributed.TCPStore`` served by this process;
 * ``flagfile``: flag files in a directory polled every ``--poll-s`` (the shared-filesystem design).
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=2.0, help="flag-file poll period, seconds (default: %(default)s, as the shared-filesystem scripts)")
     p.add_argument("--patterns", default="burst,last", help="arrival patterns: burst (all members at once) and last (the last member arrives after the others are parked) (default: %(default)s)")
     p.add_argument("--workers", type=int, default=4, help="client processes that host the members (default: %(default)s)")
+    p.add_argument("--transports", default="unary,session", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member) (default: %(default)s)")
     p.add_argument("--modes", default="memory,durable", help="coordinator state modes to measure: memory, durable (SQLite WAL) (default: %(default)s)")
     p.add_argument("--state-dir", help="parent directory for durable state, to bench a given filesystem (default: a temporary directory)")
     p.add_argument("--latency-ttl", type=float, default=5.0, help="member lease TTL during latency rounds, seconds; members renew every TTL/3 (default: %(default)s)")
@@ -88,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--members: {args.members} needs sizes of at least 2")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.patterns = [m.strip() for m in args.patterns.split(",") if m.strip()]
+    args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not args.transports or not set(args.transports) <= {"unary", "session"}:
+        parser.error(f"--transports: {args.transports} may only name unary and session")
     if not args.patterns or not set(args.patterns) <= {"burst", "last"}:
         parser.error(f"--patterns: {args.patterns} may only name burst and last")
     if not set(args.modes) <= {"memory", "durable"}:
@@ -404,24 +410,24 @@ def render_table(doc: dict) -> str:
         f"Host: {host['cpus']} CPUs, load average {load} at start/end (goals are the coordinator's; baselines are shown against them too).",
         f"Barrier latency = release - last arrival sent; p50/p99 over members x rounds. {doc['layout']['summary']}",
         "Times in ms; round = first arrival sent -> last release; srv/cli cpu = CPU ms per round of the barrier server / all client processes.",
-        f"{'impl':<12} {'state':<8} {'pattern':<7} {'members':>7} {'procs':>5} {'rounds':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'round p50':>10} {'srv cpu':>8} {'cli cpu':>8} {'goal':>12} {'':>4}",
+        f"{'impl':<12} {'transport':<9} {'state':<8} {'pattern':<7} {'members':>7} {'procs':>5} {'rounds':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'round p50':>10} {'srv cpu':>8} {'cli cpu':>8} {'goal':>12} {'':>4}",
     ]
     for row in doc["latency"]:
         goal = row.get("goal")
         goal_txt = f"p50 < {goal['below']:g} ms" if goal else "-"
         srv = "-" if row["server_cpu_ms_per_round"] is None else f"{row['server_cpu_ms_per_round']:.1f}"
         lines.append(
-            f"{row['impl']:<12} {row['state']:<8} {row['pattern']:<7} {row['members']:>7} {row['processes']:>5} {row['rounds']:>6} "
+            f"{row['impl']:<12} {row.get('transport', '-'):<9} {row['state']:<8} {row['pattern']:<7} {row['members']:>7} {row['processes']:>5} {row['rounds']:>6} "
             f"{row['p50_ms']:>9.2f} {row['p99_ms']:>9.2f} {row['max_ms']:>9.2f} {row['round_p50_ms']:>10.2f} "
             f"{srv:>8} {row['client_cpu_ms_per_round']:>8.1f} {goal_txt:>12} {goal['status'] if goal else '':>4}"
         )
     if doc["failure"]:
         lines += ["", "Failure to release: SIGKILL of a member that joined but never arrived -> survivors released (one process per member)."]
-        lines.append(f"{'impl':<12} {'state':<8} {'members':>7} {'ttl s':>6} {'trials':>6} {'kill->release s (per trial)':<34} {'goal':>14} {'':>4}")
+        lines.append(f"{'impl':<12} {'transport':<9} {'state':<8} {'members':>7} {'ttl s':>6} {'trials':>6} {'kill->release s (per trial)':<34} {'goal':>14} {'':>4}")
         for row in doc["failure"]:
             per = ", ".join("never (hangs)" if t["kill_to_release_s"] is None else f"{t['kill_to_release_s']:.3f}" for t in row["trials"])
             lines.append(
-                f"{row['impl']:<12} {row['state']:<8} {row['members']:>7} {row['ttl_s']:>6.2f} {len(row['trials']):>6} {per:<34} "
+                f"{row['impl']:<12} {row.get('transport', '-'):<9} {row['state']:<8} {row['members']:>7} {row['ttl_s']:>6.2f} {len(row['trials']):>6} {per:<34} "
                 f"{'< ' + format(row['goal']['below'], 'g') + ' s':>14} {row['goal']['status']:>4}"
             )
     lines += ["", "Notes:"] + [f"- {note}" for note in doc["notes"]]
@@ -467,7 +473,7 @@ class Bench:
 
         return int(self.store.add(name + _NUM_MEMBERS, 0))
 
-    def latency(self, impl: str, mode: str, n: int, pattern: str) -> dict:
+    def latency(self, impl: str, mode: str, n: int, pattern: str, transport: str = "-") -> dict:
         a = self.args
         if self.pool is None:
             self.pool = WorkerPool(a.workers, self.tmp / "workers.log")
@@ -476,12 +482,12 @@ class Bench:
         if impl == "coordinator":
             from elasticrl.coordinator.client import CoordinatorClient
 
-            coord = self.coordinator(mode, f"lat-{mode}-{n}-{pattern}", a.latency_ttl)
+            coord = self.coordinator(mode, f"lat-{mode}-{transport}-{n}-{pattern}", a.latency_ttl)
             try:
                 with CoordinatorClient(coord.address, call_timeout_s=10, reconnect_timeout_s=5) as client:
                     row = measure_latency(
                         self.pool, impl, n, pattern, a.rounds, a.warmup, arrived=lambda name: coordinator_arrived(client, "bench", name),
-                        server_cpu=lambda: process_cpu_s(coord.proc.pid), address=coord.address, run_id="bench", lease_ttl_s=a.latency_ttl, shared_channel=a.shared_channel, **common,
+                        server_cpu=lambda: process_cpu_s(coord.proc.pid), address=coord.address, run_id="bench", lease_ttl_s=a.latency_ttl, shared_channel=a.shared_channel, transport=transport, **common,
                     )
             finally:
                 coord.stop()
@@ -497,9 +503,9 @@ class Bench:
                 self.pool, impl, n, pattern, a.flag_rounds, 0, arrived=lambda name: flags_arrived(flag_dir, name),
                 flag_dir=str(flag_dir), poll_s=a.poll_s, **common,
             )
-        return {"impl": impl, "state": mode, **row, "goal": p50_goal(n, row["p50_ms"])}
+        return {"impl": impl, "transport": transport, "state": mode, **row, "goal": p50_goal(n, row["p50_ms"])}
 
-    def failure(self, impl: str, mode: str, trials: int) -> dict:
+    def failure(self, impl: str, mode: str, trials: int, transport: str = "-") -> dict:
         a = self.args
         n, goal = a.failure_members, a.ttl + FAILURE_SLACK_S
         if self.pool is not None:
@@ -510,12 +516,13 @@ class Bench:
             if impl == "coordinator":
                 from elasticrl.coordinator.client import CoordinatorClient
 
-                coord = self.coordinator(mode, f"fail-{mode}-{t}", a.ttl)
+                coord = self.coordinator(mode, f"fail-{mode}-{transport}-{t}", a.ttl)
                 try:
                     with CoordinatorClient(coord.address, call_timeout_s=5, reconnect_timeout_s=5) as client:
                         rows.append(failure_trial(
                             self.tmp, impl, n, a.hang_cap_s, lambda name: coordinator_arrived(client, "fail", name),
                             address=coord.address, run_id="fail", lease_ttl_s=a.ttl, barrier_timeout_s=a.barrier_timeout_s,
+                            transport=transport,
                         ))
                 finally:
                     coord.stop()
@@ -533,7 +540,7 @@ class Bench:
         worst = [r["kill_to_release_s"] for r in rows]
         ok = all(w is not None and w < goal for w in worst)
         return {
-            "impl": impl, "state": mode, "members": n, "ttl_s": a.ttl, "trials": rows,
+            "impl": impl, "transport": transport, "state": mode, "members": n, "ttl_s": a.ttl, "trials": rows,
             "max_kill_to_release_s": None if None in worst else max(worst),
             "goal": {"metric": "kill_to_release_s", "below": round(goal, 3), "status": "PASS" if ok else "MISS"},
         }
@@ -554,7 +561,8 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
         "layout": {
             "summary": f"Members over {args.workers} client processes (rank i -> process i mod {args.workers}).",
             "coordinator": "asyncio tasks; " + ("one gRPC channel per process" if args.shared_channel else "one gRPC channel per member")
-            + f"; each member renews its lease every {args.latency_ttl / 3:.2f}s",
+            + f"; each member renews its lease every {args.latency_ttl / 3:.2f}s; transport unary: a gRPC call per "
+            "arrival and keep-alive, session: one Session stream per member carrying both",
             "tcpstore": "threads, one TCPStore client per member; the store is served by the bench driver process",
             "flagfile": f"asyncio tasks; flags in one local directory, listed every {args.poll_s}s",
             "failure": "one OS process per member",
@@ -579,16 +587,18 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
     for impl, mode in impls:
         for pattern in args.patterns:
             for n in args.members:
-                rounds = args.flag_rounds if impl == "flagfile" else args.rounds
-                log(f"latency: {impl} ({mode}), {n} members, pattern {pattern}, {rounds} rounds")
-                doc["latency"].append(bench.latency(impl, mode, n, pattern))
+                # transports back to back at each size, so they are compared under the same conditions
+                for transport in args.transports if impl == "coordinator" else ["-"]:
+                    rounds = args.flag_rounds if impl == "flagfile" else args.rounds
+                    log(f"latency: {impl} ({mode}, {transport}), {n} members, pattern {pattern}, {rounds} rounds")
+                    doc["latency"].append(bench.latency(impl, mode, n, pattern, transport))
     if not args.skip_failure:
-        scenarios = [("coordinator", mode, args.failure_trials) for mode in args.modes]
+        scenarios = [("coordinator", mode, args.failure_trials, t) for mode in args.modes for t in args.transports]
         if not args.skip_baselines:
-            scenarios += [("tcpstore", "memory", 1), ("flagfile", "files", 1)]
-        for impl, mode, trials in scenarios:
-            log(f"failure: {impl} ({mode}), {trials} trial(s) of {args.failure_members} members, ttl {args.ttl}s")
-            doc["failure"].append(bench.failure(impl, mode, trials))
+            scenarios += [("tcpstore", "memory", 1, "-"), ("flagfile", "files", 1, "-")]
+        for impl, mode, trials, transport in scenarios:
+            log(f"failure: {impl} ({mode}, {transport}), {trials} trial(s) of {args.failure_members} members, ttl {args.ttl}s")
+            doc["failure"].append(bench.failure(impl, mode, trials, transport))
     doc["host"]["loadavg_end"] = os.getloadavg()
     return doc
 

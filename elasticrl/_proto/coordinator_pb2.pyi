@@ -455,3 +455,35 @@ class StatusResponse(_message.Message):
     version: str
     lease_ttl_ms: int
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "error_class", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    error_class: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("id", "keep_alive", "arrive")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    keep_alive: KeepAliveRequest
+    arrive: ArriveRequest
+    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("id", "keep_alive", "arrive", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    keep_alive: KeepAliveResponse
+    arrive: ArriveResponse
+    error: Error
+    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., arrive: _Optional[_Union[ArriveResponse, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...

@@ -104,6 +104,11 @@ class CoordinatorStub:
                 request_serializer=elasticrl_dot___proto_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=elasticrl_dot___proto_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/elasticrl.v1.Coordinator/Session',
+                request_serializer=elasticrl_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=elasticrl_dot___proto_dot_coordinator__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -193,6 +198,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """A member's long-lived stream for KeepAlive and Arrive: one message per operation instead of
+        one call each (a call costs the server several times what a message on an open stream does).
+        The call carries the token like any other; the unary RPCs stay equivalent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +279,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=elasticrl_dot___proto_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=elasticrl_dot___proto_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=elasticrl_dot___proto_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=elasticrl_dot___proto_dot_coordinator__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -645,6 +664,33 @@ class Coordinator:
             '/elasticrl.v1.Coordinator/Status',
             elasticrl_dot___proto_dot_coordinator__pb2.StatusRequest.SerializeToString,
             elasticrl_dot___proto_dot_coordinator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/elasticrl.v1.Coordinator/Session',
+            elasticrl_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            elasticrl_dot___proto_dot_coordinator__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

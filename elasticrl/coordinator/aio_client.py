@@ -5,7 +5,8 @@ keep-alive, leave, barrier arrival, KV set/get/add) and shares its wire conventi
 channel options, a gRPC deadline on every call, retries on UNAVAILABLE with jittered backoff for
 at most ``reconnect_timeout_s``, and every other gRPC error mapped once by ``codes.error_from_rpc``.
 Barrier arrivals and KV waits are chains of short server-side waits (``wait_ms``), so a
-coordinator restart in the middle of one costs one retried, idempotent call.
+coordinator restart in the middle of one costs one retried, idempotent call. ``session()`` gives a
+member the same keep-alive and arrival calls over one long-lived stream (``aio_session``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tenacity
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator.aio_session import AsyncSession
 from elasticrl.coordinator.client import JoinResult, resolve_token
 from elasticrl.coordinator.state import BarrierResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
@@ -145,6 +147,13 @@ class AsyncCoordinatorClient:
                 return result
             if time.monotonic() >= give_up:
                 raise CoordinatorTimeoutError(f"barrier {name!r} was not decided within {timeout_s:.3f}s")
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def session(self, run_id: str, member_id: str, incarnation: int) -> AsyncSession:
+        """A Session stream for one joined member: ``keep_alive()`` and ``arrive()`` as messages on
+        one open stream, far cheaper for the coordinator than a unary call each (see ``aio_session``)."""
+        return AsyncSession(self, run_id, member_id, incarnation)
 
     # -- key-value ---------------------------------------------------------------------------
 

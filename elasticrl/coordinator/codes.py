@@ -3,6 +3,8 @@
 The server aborts with ``status_for(exc)``; the client raises ``error_from_rpc(err)``. A trailing
 metadata entry ``elasticrl-error`` names the exact class, so codes that several classes share
 (FAILED_PRECONDITION: fenced, stale epoch, run closed) come back as the class that was raised.
+On a Session stream a failed operation is an ``Error`` message carrying the same two things (code
+value and class name); ``error_from_status`` reads both forms.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _BY_CODE = {
     grpc.StatusCode.CANCELLED: errors.CoordinatorTimeoutError,
     grpc.StatusCode.UNAVAILABLE: errors.CoordinatorUnavailableError,
 }
+_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def status_for(exc: errors.ElasticRLError) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
@@ -57,12 +60,22 @@ def error_from_rpc(err: grpc.RpcError, address: str) -> errors.ElasticRLError:
     for key, value in trailing or ():
         if key == ERROR_KEY:
             name = value
-    cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, errors.InternalError)
+    return error_from_status(code, name, detail, address)
+
+
+def error_from_status(
+    code: grpc.StatusCode | int, class_name: str | None, message: str, address: str
+) -> errors.ElasticRLError:
+    """The elasticrl exception for a status ``code`` (enum or its integer value, as a Session
+    ``Error`` carries it) and the class name the server sent, if any; the class name wins."""
+    if isinstance(code, int):
+        code = _BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    cls = _BY_NAME.get(class_name or "") or _BY_CODE.get(code, errors.InternalError)
     if cls is errors.CoordinatorUnavailableError:
-        return cls(f"coordinator at {address} is unreachable: {detail}")
+        return cls(f"coordinator at {address} is unreachable: {message}")
     if cls is errors.AuthError:
-        return cls(f"coordinator at {address} refused the call: {detail} (check --token-file / ELASTICRL_TOKEN)")
-    return cls(detail)
+        return cls(f"coordinator at {address} refused the call: {message} (check --token-file / ELASTICRL_TOKEN)")
+    return cls(message)
 
 
 def is_retryable(err: BaseException) -> bool:

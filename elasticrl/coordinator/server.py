@@ -113,6 +113,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator
 
+        if handler is not None and handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
         if handler is not None and handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(deny_stream)
         return grpc.unary_unary_rpc_method_handler(deny)

@@ -2,7 +2,8 @@
 
 Every handler is wrapped so that an ``ElasticRLError`` becomes its status code (``codes``) and any
 other exception becomes INTERNAL with its description, logged with a traceback: a bad request can
-fail its own call but never the server.
+fail its own call but never the server. On a Session stream the same mapping turns a failed
+operation into an ``Error`` message instead, and the stream stays open.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, validate as v
 from elasticrl.coordinator.core import CoordinatorCore, Event
 from elasticrl.coordinator.state import Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy
-from elasticrl.errors import ElasticRLError, InvalidRequestError
+from elasticrl.errors import ElasticRLError, InternalError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         await context.abort(code, str(exc), trailing_metadata=trailing)
     log.exception("internal error in %s", type(exc).__name__, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _error_message(exc: Exception) -> pb.Error:
+    """A Session operation's failure: the code and class a unary call would have failed with."""
+    if isinstance(exc, ElasticRLError):
+        code, trailing = codes.status_for(exc)
+        return pb.Error(code=code.value[0], error_class=dict(trailing)[codes.ERROR_KEY], message=str(exc))
+    log.exception("internal error in %s", type(exc).__name__, exc_info=exc)
+    return pb.Error(
+        code=grpc.StatusCode.INTERNAL.value[0],
+        error_class=InternalError.__name__,
+        message=f"internal error: {type(exc).__name__}: {exc}",
+    )
 
 
 def _guarded(handler):
@@ -150,8 +164,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def __init__(self, core: CoordinatorCore):
         self.core = core
-        # (run id, barrier name) -> (result, response); a decided result never changes.
-        self._decided: dict[tuple[str, str], tuple[BarrierResult, pb.ArriveResponse]] = {}
+        # (run id, barrier name) -> (result, response, that response as a serialized
+        # SessionResponse with no id); a decided result never changes.
+        self._decided: dict[tuple[str, str], tuple[BarrierResult, pb.ArriveResponse, bytes]] = {}
 
     # -- membership --------------------------------------------------------------------------
 
@@ -173,6 +188,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
+        return self.keep_alive(request)
+
+    def keep_alive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+        """KeepAlive for the unary RPC and Session alike. Raises ``ElasticRLError``."""
         mid, inc = _member_ref("member", request.member)
         epoch, ttl = self.core.keep_alive(v.ident("run_id", request.run_id), mid, inc)
         return pb.KeepAliveResponse(epoch=epoch, lease_ttl_ms=int(ttl * 1000))
@@ -218,6 +237,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded
     async def Arrive(self, request: pb.ArriveRequest, context) -> pb.ArriveResponse:
+        return (await self.arrive(request))[0]
+
+    async def arrive(self, request: pb.ArriveRequest) -> tuple[pb.ArriveResponse, bytes | None]:
+        """Arrive for the unary RPC and Session alike: blocks until the barrier is decided or
+        ``wait_ms`` passes (then PENDING). Returns the response and, once decided, the shared
+        serialized SessionResponse around it (see ``_decided_response``). Raises ``ElasticRLError``."""
         run_id = v.ident("run_id", request.run_id)
         mid, inc = _member_ref("member", request.member)
         if request.policy not in _POLICY:
@@ -234,20 +259,96 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             wait_s=v.duration_ms("wait_ms", request.wait_ms),
         )
         if result is None:
-            return _arrive_response(None, self.core.runs[run_id].epoch)
+            return _arrive_response(None, self.core.runs[run_id].epoch), None
         return self._decided_response((run_id, request.name), result)
 
-    def _decided_response(self, key: tuple[str, str], result: BarrierResult) -> pb.ArriveResponse:
+    def _decided_response(self, key: tuple[str, str], result: BarrierResult) -> tuple[pb.ArriveResponse, bytes]:
         """The one response every member of a decided barrier gets (its ``arrived`` alone lists
-        all N members, so building it per member made a barrier's release O(N^2))."""
+        all N members, so building it per member made a barrier's release O(N^2)), and the same
+        wrapped in a serialized SessionResponse without id, for the same reason on sessions."""
         hit = self._decided.get(key)
         if hit is not None and hit[0] is result:
-            return hit[1]
+            return hit[1], hit[2]
         if len(self._decided) >= self.DECIDED_RESPONSES:
             self._decided.clear()
         response = _arrive_response(result, result.epoch)
-        self._decided[key] = (result, response)
-        return response
+        wrapped = pb.SessionResponse(arrive=response).SerializeToString()
+        self._decided[key] = (result, response, wrapped)
+        return response, wrapped
+
+    # -- member sessions ---------------------------------------------------------------------
+
+    async def Session(self, requests, context):
+        """A member's stream of KeepAlive and Arrive operations (see SessionRequest in the proto).
+
+        Keep-alives are answered inline; each arrival runs as its own task, since it blocks until
+        its barrier is decided. Every response goes through ``out``, whose one consumer (this
+        generator) is the stream's only writer. A failed operation is an ``Error`` message and the
+        stream goes on; when the stream ends, arrivals still waiting are cancelled.
+        """
+        out: asyncio.Queue = asyncio.Queue()
+        arrivals: set[asyncio.Task] = set()
+        # Initial metadata now, not with the first response: it tells the client the stream is up.
+        await context.send_initial_metadata(())
+        reader = asyncio.create_task(self._session_read(requests, out, arrivals), name="session-read")
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, grpc.aio.AbortError):
+                    raise item  # an undecodable message: its status is already sent
+                if isinstance(item, BaseException):  # a bug in the reader: logged, INTERNAL
+                    log.exception("session stream failed: %s", type(item).__name__, exc_info=item)
+                    # named InternalError, so the client tells it from a transport failure
+                    await _abort(context, InternalError(f"internal error: {type(item).__name__}: {item}"))
+                if item is None:
+                    return  # the client half-closed and every arrival was answered
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(arrivals):
+                task.cancel()
+
+    async def _session_read(self, requests, out: asyncio.Queue, arrivals: set[asyncio.Task]) -> None:
+        try:
+            async for request in requests:
+                op = request.WhichOneof("op")
+                if op == "arrive":
+                    task = asyncio.create_task(self._session_arrive(request.id, request.arrive, out))
+                    arrivals.add(task)
+                    task.add_done_callback(arrivals.discard)
+                elif op == "keep_alive":
+                    out.put_nowait(self._session_keep_alive(request.id, request.keep_alive))
+                else:
+                    error = InvalidRequestError("op: must be set (keep_alive or arrive)")
+                    out.put_nowait(pb.SessionResponse(id=request.id, error=_error_message(error)))
+            while arrivals:
+                await asyncio.wait(set(arrivals))
+            out.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the writer, which ends the stream
+            out.put_nowait(exc)
+
+    def _session_keep_alive(self, request_id: int, request: pb.KeepAliveRequest) -> pb.SessionResponse:
+        try:
+            return pb.SessionResponse(id=request_id, keep_alive=self.keep_alive(request))
+        except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
+            return pb.SessionResponse(id=request_id, error=_error_message(exc))
+
+    async def _session_arrive(self, request_id: int, request: pb.ArriveRequest, out: asyncio.Queue) -> None:
+        try:
+            response, wrapped = await self.arrive(request)
+            if wrapped is not None:
+                # Serialized protobuf messages concatenate as a merge: the id, then the shared
+                # decided response (copying it into a message per member cost ~20 us at 512).
+                response = pb.SessionResponse(id=request_id).SerializeToString() + wrapped
+            else:
+                response = pb.SessionResponse(id=request_id, arrive=response)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
+            response = pb.SessionResponse(id=request_id, error=_error_message(exc))
+        out.put_nowait(response)
 
     # -- KV ----------------------------------------------------------------------------------
 
@@ -357,9 +458,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
 
-def _parsing(impl, request_cls, streaming: bool):
+def _parsing(impl, request_cls, kind: str):
     """Wrap ``impl`` so undecodable bytes get INVALID_ARGUMENT naming the message type, rather
-    than gRPC's default UNKNOWN."""
+    than gRPC's default UNKNOWN. ``kind``: "unary", "server_stream" or "bidi" (for a request
+    stream, each message is parsed as it comes and the first undecodable one ends the call)."""
 
     async def parse(raw: bytes, context):
         try:
@@ -370,7 +472,19 @@ def _parsing(impl, request_cls, streaming: bool):
                 f"request is not a valid {request_cls.DESCRIPTOR.full_name}: {exc}",
             )
 
-    if streaming:
+    if kind == "bidi":
+
+        async def bidi_handler(raw_requests, context):
+            async def requests():
+                async for raw in raw_requests:
+                    yield await parse(raw, context)
+
+            async for item in impl(requests(), context):
+                yield item
+
+        return bidi_handler
+
+    if kind == "server_stream":
 
         async def stream_handler(raw, context):
             request = await parse(raw, context)
@@ -385,6 +499,11 @@ def _parsing(impl, request_cls, streaming: bool):
     return unary_handler
 
 
+def _serialize(to_bytes, response) -> bytes:
+    """A handler may hand back a response already serialized (see ``_session_arrive``)."""
+    return response if isinstance(response, bytes) else to_bytes(response)
+
+
 def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
     """Register every Coordinator RPC with raw-bytes deserialization (see ``_parsing``)."""
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
@@ -393,12 +512,14 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         impl = getattr(servicer, method.name)
-        if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _parsing(impl, request_cls, True), response_serializer=response_cls.SerializeToString
-            )
+        serialize = functools.partial(_serialize, response_cls.SerializeToString)
+        if method.client_streaming and method.server_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(_parsing(impl, request_cls, "bidi"), response_serializer=serialize)
+        elif method.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(_parsing(impl, request_cls, "server_stream"), response_serializer=serialize)
+        elif not method.client_streaming:
+            handler = grpc.unary_unary_rpc_method_handler(_parsing(impl, request_cls, "unary"), response_serializer=serialize)
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _parsing(impl, request_cls, False), response_serializer=response_cls.SerializeToString
-            )
+            raise NotImplementedError(f"{method.name}: client-streaming RPCs have no handler wrapper yet")
+        handlers[method.name] = handler
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -132,21 +132,40 @@ def test_garbage_bytes_never_crash_or_corrupt(coordinator, client):
         "Arrive": pb.ArriveRequest(run_id="fuzz-run", member=pb.MemberRef(member_id="m", incarnation=1), name="b", wait_ms=5).SerializeToString(),
         "KVSet": pb.KVSetRequest(run_id="fuzz-run", pairs=[pb.KVPair(key=b"k", value=b"v")]).SerializeToString(),
         "RoundJoin": pb.RoundJoinRequest(run_id="fuzz-run", member=pb.MemberRef(member_id="m", incarnation=1), config=pb.RoundConfig(min_nodes=1, max_nodes=1), wait_ms=5).SerializeToString(),
+        "Session": pb.SessionRequest(id=7, arrive=pb.ArriveRequest(run_id="fuzz-run", member=pb.MemberRef(member_id="m", incarnation=1), name="b", wait_ms=5)).SerializeToString(),
     }
+    keep_alive_seed = pb.SessionRequest(id=8, keep_alive=pb.KeepAliveRequest(run_id="fuzz-run", member=pb.MemberRef(member_id="m", incarnation=1))).SerializeToString()
+    allowed_values = {c.value[0] for c in ALLOWED}
     codes_seen = {}
     with grpc.insecure_channel(coordinator.address) as channel:
         for method in service.methods:
             path = f"/{service.full_name}/{method.name}"
-            streaming = method.name == "Watch"
-            call = channel.unary_stream(path) if streaming else channel.unary_unary(path)
+            if method.client_streaming:
+                call = channel.stream_stream(path)
+            elif method.server_streaming:
+                call = channel.unary_stream(path)
+            else:
+                call = channel.unary_unary(path)
             payloads = [bytes(rng.randrange(256) for _ in range(rng.randint(0, 96))) for _ in range(40)]
             payloads += list(_mutations(rng, seeds.get(method.name, b"\x0a\x03abc"), 40))
+            if method.client_streaming:  # random bytes alone, mutated arrivals and keep-alives 1-3 a stream
+                mutated = payloads[40:] + list(_mutations(rng, keep_alive_seed, 40))
+                rng.shuffle(mutated)
+                payloads = [[p] for p in payloads[:40]] + [mutated[i:i + rng.randint(1, 3)] for i in range(0, len(mutated), 3)]
+                payloads.append([seeds["Session"], keep_alive_seed])  # decodable: answered, then a clean end
             for payload in payloads:
                 try:
-                    result = call(payload, timeout=0.3)
-                    if streaming:
-                        for _ in result:
+                    if method.client_streaming:
+                        for raw in call(iter(payload), timeout=0.3):
+                            error = pb.SessionResponse.FromString(raw).error  # a failed op, stream goes on
+                            codes_seen.setdefault("Session ops", set()).add(error.code)
+                            assert error.code == 0 or error.code in allowed_values, f"{method.name} op answered {error}"
+                            assert not error.message.startswith("internal error"), f"{method.name}: {error}"
+                    elif method.server_streaming:
+                        for _ in call(payload, timeout=0.3):
                             break
+                    else:
+                        call(payload, timeout=0.3)
                     code = grpc.StatusCode.OK
                 except grpc.RpcError as err:
                     code = err.code()
@@ -157,6 +176,9 @@ def test_garbage_bytes_never_crash_or_corrupt(coordinator, client):
 
     # mutated valid requests must have reached the handlers, not just the parser
     assert {"OK", "NOT_FOUND"} & set().union(*codes_seen.values()), codes_seen
+    # the stream was fuzzed both ways: undecodable messages ended it, decodable ones reached the ops
+    assert {"OK", "INVALID_ARGUMENT"} <= codes_seen["Session"], codes_seen
+    assert len(codes_seen["Session ops"]) > 1, codes_seen
     assert "internal error" not in coordinator.log()
     after = client.status("protected")["runs"][0]["snapshot"]
     assert after["epoch"] == before["epoch"] and after["members"][0]["incarnation"] == before["members"][0]["incarnation"]

@@ -1,0 +1,256 @@
+"""A member's long-lived Session stream to the coordinator: keep-alives and barrier arrivals as
+messages on one open bidi stream instead of one unary call each (a unary call costs the server
+several times what a message on an open stream does).
+
+``AsyncSession`` keeps the contract of the unary ``AsyncCoordinatorClient`` calls it replaces: the
+same requests (``wire``), the same errors (``codes``), a deadline on every operation, and
+reconnection when the coordinator restarts. Operations carry a client-chosen id; one reader task
+resolves each operation's future by the id its response echoes (responses come out of order).
+When the stream breaks with UNAVAILABLE (or the server ends it), the session reopens it with
+``wire.retry_wait()`` backoff for at most ``reconnect_timeout_s`` and re-sends every operation in
+flight (keep-alives and arrivals are idempotent); past that budget the pending operations fail
+with ``CoordinatorUnavailableError`` and the next operation starts a fresh attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import types
+from typing import TYPE_CHECKING
+
+import grpc
+
+from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator.state import BarrierResult
+from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
+from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableError, InternalError
+
+if TYPE_CHECKING:
+    from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
+
+log = logging.getLogger(__name__)
+
+
+def _worth_reopening(err: grpc.RpcError) -> bool:
+    """A stream ending that a new stream may fix: the coordinator went away (UNAVAILABLE), ended
+    the stream itself (CANCELLED: a graceful shutdown past its grace period), or grpc.aio made up
+    an INTERNAL because a write lost the race with the stream's end (the coordinator's own
+    INTERNAL always names its class in trailing metadata)."""
+    code = err.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return True
+    return code == grpc.StatusCode.INTERNAL and not any(k == codes.ERROR_KEY for k, _ in err.trailing_metadata() or ())
+
+
+class _Op:
+    """One operation in flight: its request (re-sent as is after a reconnect) and its future."""
+
+    __slots__ = ("request", "future", "timeout_s", "timer")
+
+    def __init__(self, request: pb.SessionRequest, future: asyncio.Future, timeout_s: float):
+        self.request = request
+        self.future = future
+        # Deadline from when the request goes on a stream; re-armed when it is re-sent.
+        self.timeout_s = timeout_s
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class AsyncSession:
+    """One member's Session stream. Use it from the event loop it was created on.
+
+    Opened lazily by the first operation; ``close()`` ends the stream and fails what is pending.
+    Raises the ``elasticrl.errors`` classes, like ``AsyncCoordinatorClient``.
+    """
+
+    def __init__(self, client: "AsyncCoordinatorClient", run_id: str, member_id: str, incarnation: int):
+        self._client = client
+        self.run_id = run_id
+        self.member_id = member_id
+        self.incarnation = incarnation
+        self._keep_alive_request = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Op] = {}
+        # Requests for the current stream; None while no stream is open (ops wait in _pending).
+        self._outbox: asyncio.Queue | None = None
+        self._runner: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def keep_alive(self) -> int:
+        """Renew the lease; returns the run's epoch (``FencedError`` if this incarnation is not live)."""
+        resp = await self._op(pb.SessionRequest(keep_alive=self._keep_alive_request), self._client.call_timeout_s)
+        return resp.keep_alive.epoch
+
+    async def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing", epoch: int = 0) -> BarrierResult:
+        """Arrive at barrier ``name`` and return once it is decided (``AsyncCoordinatorClient.arrive``'s contract).
+
+        Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
+        ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``.
+        """
+        give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self._client.reconnect_timeout_s
+        while True:
+            wait_s = max(0.05, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            request = wire.arrive_request(
+                self.run_id, self.member_id, self.incarnation, name,
+                timeout_s=timeout_s, policy=policy, epoch=epoch, wait_s=wait_s,
+            )
+            resp = await self._op(pb.SessionRequest(arrive=request), wait_s + DEADLINE_SLACK_S)
+            result = wire.arrive_outcome(name, resp.arrive)
+            if result is not None:
+                return result
+            if time.monotonic() >= give_up:
+                raise CoordinatorTimeoutError(f"barrier {name!r} was not decided within {timeout_s:.3f}s")
+
+    async def close(self) -> None:
+        """End the stream; operations still pending fail with ``CoordinatorUnavailableError``."""
+        self._closed = True
+        if self._runner is not None:
+            self._runner.cancel()
+            try:
+                await self._runner
+            except asyncio.CancelledError:
+                pass
+        self._fail_pending(CoordinatorUnavailableError(f"session to {self.address} was closed"))
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- machinery ---------------------------------------------------------------------------
+
+    async def _op(self, request: pb.SessionRequest, timeout_s: float) -> pb.SessionResponse:
+        """Send one operation and await its response; an ``Error`` response is raised mapped."""
+        if self._closed:
+            raise RuntimeError(f"session of {self.member_id} to {self.address} is closed")
+        request.id = next(self._ids)
+        op = _Op(request, asyncio.get_running_loop().create_future(), timeout_s)
+        self._pending[request.id] = op
+        if self._outbox is not None:
+            self._send(op)
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run(), name=f"session-{self.member_id}")
+        try:
+            resp = await op.future
+        finally:
+            self._forget(request.id)
+        if resp.HasField("error"):
+            e = resp.error
+            raise codes.error_from_status(e.code, e.error_class, e.message, self.address)
+        return resp
+
+    def _send(self, op: _Op) -> None:
+        self._outbox.put_nowait(op.request)
+        if op.timer is not None:
+            op.timer.cancel()
+        op.timer = asyncio.get_running_loop().call_later(op.timeout_s, self._expire, op)
+
+    def _expire(self, op: _Op) -> None:
+        if not op.future.done():
+            what = op.request.WhichOneof("op")
+            op.future.set_exception(
+                CoordinatorTimeoutError(f"session {what} to {self.address}: no answer within {op.timeout_s:.3f}s")
+            )
+
+    def _forget(self, request_id: int) -> None:
+        op = self._pending.pop(request_id, None)
+        if op is not None and op.timer is not None:
+            op.timer.cancel()
+
+    def _fail_pending(self, exc: Exception) -> None:
+        for request_id, op in list(self._pending.items()):
+            if not op.future.done():
+                op.future.set_exception(exc)
+            self._forget(request_id)
+
+    async def _requests(self, outbox: asyncio.Queue):
+        while (request := await outbox.get()) is not None:  # None: that stream is over
+            yield request
+
+    async def _run(self) -> None:
+        try:
+            await self._serve_streams()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug here must not leave operations hanging
+            log.exception("session %s to %s failed", self.member_id, self.address)
+            self._fail_pending(InternalError(f"session to {self.address} failed: {type(exc).__name__}: {exc}"))
+
+    async def _serve_streams(self) -> None:
+        """Keep a stream open; reopen it after transport failures, within the reconnect budget."""
+        down_since: float | None = None  # first failure since the last stream that was up
+        failures = 0
+        while True:
+            was_up, detail = await self._one_stream()
+            if detail is None:
+                return  # a failure a new stream cannot fix: pending operations got its error
+            now = time.monotonic()
+            if was_up or down_since is None:
+                down_since, failures = now, 0
+            left = down_since + self._client.reconnect_timeout_s - now
+            if left <= 0:
+                self._fail_pending(CoordinatorUnavailableError(
+                    f"coordinator at {self.address} is unreachable: session stream not reopened within "
+                    f"{self._client.reconnect_timeout_s:.1f}s ({detail})"
+                ))
+                return  # the next operation starts a fresh attempt
+            failures += 1
+            pause = wire.retry_wait()(types.SimpleNamespace(attempt_number=failures))
+            log.debug("session %s to %s broke (%s); reopening in %.3fs", self.member_id, self.address, detail, pause)
+            await asyncio.sleep(min(pause, left))
+
+    async def _one_stream(self) -> tuple[bool, str | None]:
+        """Open a stream, (re-)send what is pending, dispatch responses until the stream ends.
+
+        Returns (whether it was up, why it ended) when a new stream may help; fails the pending
+        operations and returns (_, None) when not. The stream has no gRPC deadline (it lives as
+        long as the member): each operation has its own, armed while it is on an open stream,
+        opening has ``call_timeout_s``, and the channel's keepalive pings notice a dead peer.
+        """
+        outbox: asyncio.Queue = asyncio.Queue()
+        call = self._client._stub.Session(self._requests(outbox), metadata=self._client._metadata)
+        up = False
+        try:
+            # The server sends initial metadata as soon as the stream is up. Nothing is written
+            # before that, so a refused stream (token) never races a write with its status.
+            try:
+                await asyncio.wait_for(call.initial_metadata(), self._client.call_timeout_s)
+            except asyncio.TimeoutError:
+                call.cancel()
+                return False, f"stream not opened within {self._client.call_timeout_s:.1f}s"
+            if not call.done():
+                up = True
+                self._outbox = outbox
+                for op in list(self._pending.values()):
+                    self._send(op)  # in flight when the last stream broke, or queued meanwhile
+            async for resp in call:
+                op = self._pending.get(resp.id)
+                if op is not None and not op.future.done():
+                    op.future.set_result(resp)
+                # else: the answer to an operation that already timed out or was cancelled
+            return up, "the coordinator ended the stream"
+        except grpc.RpcError as err:
+            if _worth_reopening(err):
+                return up, err.details() or err.code().name
+            self._fail_pending(codes.error_from_rpc(err, self.address))
+            return up, None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            self._outbox = None
+            outbox.put_nowait(None)  # ends this stream's request generator
+            for op in self._pending.values():
+                if op.timer is not None:
+                    op.timer.cancel()  # off the wire: the reconnect budget bounds it now
+                    op.timer = None
