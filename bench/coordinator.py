@@ -138,19 +138,16 @@ class CoordinatorProc:
 
     def __init__(self, tmp: pathlib.Path, *, lease_ttl_s: float, state_dir: pathlib.Path | None):
         tmp.mkdir(parents=True, exist_ok=True)
-        port_file = tmp / "port"
-        cmd = [sys.executable, "-m", "elasticrl", "coordinator", "--port", "0", "--port-file", str(port_file), "--lease-ttl", str(lease_ttl_s)]
-        if state_dir is not None:
-            cmd += ["--state-dir", str(state_dir)]
+        from elasticrl.coordinator.launch import CoordinatorStartError, start_coordinator
+
         self.log_path = tmp / "coordinator.log"
-        with open(self.log_path, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"coordinator did not start:\n{self.log_path.read_text()[-2000:]}")
-            time.sleep(0.02)
-        self.address = f"127.0.0.1:{int(port_file.read_text())}"
+        try:
+            self.proc, port = start_coordinator(
+                tmp / "port", self.log_path, cwd=REPO, env=_env(), lease_ttl_s=lease_ttl_s, state_dir=state_dir
+            )
+        except CoordinatorStartError as exc:
+            raise BenchError(str(exc)) from None
+        self.address = f"127.0.0.1:{port}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:

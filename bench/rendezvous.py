@@ -30,7 +30,6 @@ import pathlib
 import platform
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,24 +68,17 @@ class Coordinator:
     """An ``elasticrl coordinator`` subprocess on a free port, durable state in ``workdir``."""
 
     def __init__(self, workdir: pathlib.Path, lease_ttl_s: float):
-        port_file = workdir / "coordinator.port"
-        self.log = open(workdir / "coordinator.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticrl", "coordinator", "--port", "0", "--port-file", str(port_file),
-             "--lease-ttl", str(lease_ttl_s), "--state-dir", str(workdir / "state")],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+        from elasticrl.coordinator.launch import start_coordinator
+
+        self.proc, port = start_coordinator(
+            workdir / "coordinator.port", workdir / "coordinator.log",
+            cwd=REPO, lease_ttl_s=lease_ttl_s, state_dir=workdir / "state",
         )
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"coordinator did not start; see {workdir / 'coordinator.log'}")
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
+        self.address = f"127.0.0.1:{port}"
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def _last_error(log_tail: str) -> str:

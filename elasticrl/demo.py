@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+from elasticrl.coordinator.launch import coordinator_command, wait_for_port
 from elasticrl.rl.tasks import TASKS  # pure Python: the demo process never imports torch
 
 PROGRESS_RE = re.compile(r"^iter\s+(\d+)/\d+ ")
@@ -221,20 +222,13 @@ class Demo:
         port_file = os.path.join(self.run_dir, "coordinator.port")
         with contextlib.suppress(FileNotFoundError):
             os.remove(port_file)  # a previous run's port (same --out) would be read as ours
-        cmd = [
-            sys.executable, "-m", "elasticrl", "coordinator", "--port", "0", "--port-file", port_file,
-            "--lease-ttl", str(self.args.lease_ttl), "--state-dir", os.path.join(self.run_dir, "coordinator"),
-        ]
+        cmd = coordinator_command(
+            port_file, lease_ttl_s=self.args.lease_ttl, state_dir=os.path.join(self.run_dir, "coordinator")
+        )
         child = _spawn("coordinator", cmd, os.path.join(self.logs, "coordinator.log"), self.env, pipe=False)
         self.children.append(child)
-        deadline = time.monotonic() + COORDINATOR_START_S
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with status {child.proc.returncode}; see {child.log_path}")
-            with contextlib.suppress(OSError, ValueError):
-                return f"127.0.0.1:{int(open(port_file).read().strip())}"
-            time.sleep(0.05)
-        raise RuntimeError(f"the coordinator did not serve within {COORDINATOR_START_S}s; see {child.log_path}")
+        port = wait_for_port(child.proc, port_file, timeout_s=COORDINATOR_START_S, log_path=child.log_path)
+        return f"127.0.0.1:{port}"
 
     def start_node(self, k: int, rdzv_endpoint: str, node_args: list[str]) -> Child:
         """One torchrun agent with one elasticrl.node worker, its output streamed by a thread."""

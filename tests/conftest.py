@@ -7,7 +7,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -51,27 +50,20 @@ class CoordinatorProcess:
         return self.proc.pid
 
     def start(self, timeout_s: float = 20.0) -> "CoordinatorProcess":
+        from elasticrl.coordinator.launch import start_coordinator
+
         port_file = self.tmp / f"port-{self._starts}"
         self._starts += 1
-        cmd = [
-            sys.executable, "-m", "elasticrl", "coordinator",
-            "--port", str(self.port),
-            "--port-file", str(port_file),
-            "--lease-ttl", str(self.lease_ttl_s),
-            *self.extra_args,
-        ]
-        if self.state_dir is not None:
-            cmd += ["--state-dir", str(self.state_dir)]
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        log.close()
-
-        def ready():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"coordinator exited with {self.proc.returncode}:\n{self.log()}")
-            return port_file.exists() and port_file.read_text().strip()
-
-        self.port = int(wait_until(ready, timeout_s, message="coordinator to serve"))
+        self.proc, self.port = start_coordinator(
+            port_file,
+            self.log_path,
+            timeout_s=timeout_s,
+            cwd=REPO,
+            port=self.port,
+            lease_ttl_s=self.lease_ttl_s,
+            state_dir=self.state_dir,
+            extra_args=self.extra_args,
+        )
         return self
 
     def kill(self) -> None:
