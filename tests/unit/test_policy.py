@@ -218,3 +218,28 @@ def test_nodes_waiting_counts_lost_waiting_and_newer_rounds():
     # a full round does not restart for standby nodes
     assert policy.nodes_waiting(1, 1, ["a", "b"], ["c"], [], 2) == 0
     assert policy.nodes_waiting(1, 2, ["b", "c"], [], [], 4) == 1
+
+
+def test_barrier_blocked_agrees_with_decide_barrier_on_random_states():
+    """The O(1) per-arrival check must never say "blocked" when the full decision would release."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        ids = [f"m{i}" for i in range(rng.randint(1, 8))]
+        run = make_run(*ids)
+        b = barrier(run, timeout_s=10.0, policy_=rng.choice(list(TimeoutPolicy)))
+        for mid in ids:
+            roll = rng.random()
+            if roll < 0.5:
+                arrive(b, run, mid)
+            if rng.random() < 0.2:
+                run.members[mid].status = MemberStatus.EVICTED
+            elif rng.random() < 0.1:  # replaced by a new incarnation after the barrier opened
+                run.members[mid] = Member(mid, 100 + len(ids), "h", 1.0, {}, 9, 1.0, 10.0)
+        now = rng.choice([0.0, 5.0, 10.0, 11.0])
+        # any superset of the not-arrived expected members is a valid candidate set
+        not_arrived = {m for m, inc in b.expected.items() if b.arrived.get(m) != inc}
+        candidates = not_arrived | set(rng.sample(ids, rng.randint(0, len(ids))))
+        blocked = policy.barrier_blocked(b, run, now, candidates)
+        assert blocked == (policy.decide_barrier(b, run, now).result is None)
