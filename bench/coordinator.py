@@ -150,13 +150,9 @@ class CoordinatorProc:
         self.address = f"127.0.0.1:{port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        from elasticrl.coordinator.launch import stop_coordinator
+
+        stop_coordinator(self.proc)
 
 
 class Worker:

@@ -72,16 +72,9 @@ class CoordinatorProcess:
             self.proc.wait(timeout=10)
 
     def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
+        from elasticrl.coordinator.launch import stop_coordinator
+
+        return None if self.proc is None else stop_coordinator(self.proc)
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

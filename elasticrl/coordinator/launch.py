@@ -77,6 +77,18 @@ def start_coordinator(
         raise
 
 
+def stop_coordinator(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """SIGTERM (a clean shutdown), then SIGKILL if it lingers past ``timeout_s``; the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+    return proc.returncode
+
+
 def _tail(log_path: str | os.PathLike | None, chars: int = 2000) -> str:
     if log_path is None:
         return ""
