@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-key", help="PEM private key for --tls-cert")
     c.add_argument("--fsync", action="store_true", help="fsync every state change (survives power loss; slower)")
     c.add_argument("--port-file", help="write the bound port to this file once serving (useful with --port 0)")
+    c.add_argument("--max-message-mb", type=float, default=64, metavar="MIB", help="largest gRPC message accepted or sent, MiB; workers batch trajectories below it (default: %(default)s)")
 
-    s = sub.add_parser("status", help="show members, epochs, rounds and open barriers")
+    s = sub.add_parser("status", help="show members, epochs, rounds, open barriers and each run's current iteration")
     _add_client_args(s)
     s.add_argument("--run", default="", help="only this run id (default: every run)")
     s.add_argument("--all", action="store_true", help="also list members that left or were evicted")
@@ -56,11 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "coordinator":
         return _coordinator(args)
-    from elasticrl.coordinator.client import CoordinatorClient, resolve_token
+    from elasticrl.coordinator.client import resolve_token
     from elasticrl.errors import ElasticRLError
+    from elasticrl.scheduler.client import SchedulerClient
 
     try:
-        with CoordinatorClient(
+        with SchedulerClient(
             args.coordinator,
             token=resolve_token(None, args.token_file),
             tls_ca=args.tls_ca,
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         ) as client:
             if args.command == "status":
                 data = client.status(args.run, include_departed=args.all)
+                for run in data.get("runs") or []:  # the scheduler's newest iteration, if any
+                    run["iteration"] = client.iteration_status(run["snapshot"]["run_id"])
                 if args.json:
                     print(json.dumps(data, indent=2, sort_keys=True))
                 else:
@@ -101,6 +105,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             tls_key=args.tls_key,
             fsync=args.fsync,
             port_file=args.port_file,
+            max_message_bytes=int(args.max_message_mb * (1 << 20)),
         )
         asyncio.run(serve(config))
     except (ValueError, OSError) as exc:

@@ -36,6 +36,10 @@ class RunClosedError(ElasticRLError):
     """The run was closed; nothing more can join it or rendezvous in it."""
 
 
+class NotReadyError(ElasticRLError):
+    """The thing asked for exists but is not ready yet (e.g. fetching an iteration before it seals)."""
+
+
 class ResourceLimitError(ElasticRLError):
     """A per-run limit (members, KV bytes) would be exceeded."""
 

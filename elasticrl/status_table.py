@@ -61,4 +61,27 @@ def render(data: dict) -> str:
                 for b in barriers
             ]
             parts.append("open barriers:\n" + _table(["BARRIER", "ARRIVED", "WAITING FOR", "AGE", "TIMEOUT"], rows))
+        it = run.get("iteration")
+        if it:
+            parts.append(render_iteration(it))
     return "\n".join(parts)
+
+
+def render_iteration(m: dict) -> str:
+    """The scheduler's view of one iteration (a manifest): totals, then tasks per node."""
+    refused = m["refused_duplicate"] + m["refused_fenced"] + m["refused_sealed"]
+    state = f"sealed ({m['seal_reason']})" if m["sealed"] else "open"
+    head = (
+        f"iteration {m['iteration']}  {m['policy']}  {state}  {m['elapsed_s']:.1f}s  tasks {m['tasks_done']}/"
+        f"{m['tasks_total']} done, {m['tasks_running']} running, {m['tasks_queued']} queued  requeued "
+        f"{m['requeued']}  refused {refused} (duplicate {m['refused_duplicate']}, fenced {m['refused_fenced']}, "
+        f"sealed {m['refused_sealed']})  tokens {m['tokens']}"
+    )
+    rows = [
+        [
+            n["node"], str(n["slots"] or "-"), str(n["running"]), str(n["done"]), str(n["assigned"]),
+            str(n["refused"]), f"{n['tasks_per_s']:.2f}", str(n["tokens"]), "evicted" if n["evicted"] else "",
+        ]
+        for n in m["nodes"]
+    ]
+    return head + "\n" + _table(["NODE", "SLOTS", "RUNNING", "DONE", "ASSIGNED", "REFUSED", "TASKS/S", "TOKENS", ""], rows)

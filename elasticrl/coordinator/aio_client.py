@@ -45,12 +45,13 @@ class AsyncCoordinatorClient:
         tls_ca: str | None = None,
         call_timeout_s: float = 10.0,
         reconnect_timeout_s: float = 30.0,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
     ):
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self._metadata = wire.auth_metadata(resolve_token(token))
-        self._channel = wire.open_channel(address, tls_ca, aio=True)
+        self._channel = wire.open_channel(address, tls_ca, aio=True, max_message_bytes=max_message_bytes)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def close(self) -> None:
@@ -64,9 +65,10 @@ class AsyncCoordinatorClient:
 
     # -- transport ---------------------------------------------------------------------------
 
-    async def _call(self, method: str, request, *, timeout_s: float | None = None, retry_s: float | None = None):
-        """One unary call with a deadline, retried on UNAVAILABLE for at most ``retry_s``."""
-        fn = getattr(self._stub, method)
+    async def _call(self, method: str, request, *, timeout_s: float | None = None, retry_s: float | None = None, stub=None):
+        """One unary call (of ``stub``, default the Coordinator service) with a deadline,
+        retried on UNAVAILABLE for at most ``retry_s``."""
+        fn = getattr(stub or self._stub, method)
         deadline = self.call_timeout_s if timeout_s is None else timeout_s
         try:
             # The first attempt bypasses tenacity: building its retry state costs ~30 us a call,

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _worth_reopening(err: grpc.RpcError) -> bool:
+def worth_reopening(err: grpc.RpcError) -> bool:
     """A stream ending that a new stream may fix: the coordinator went away (UNAVAILABLE), ended
     the stream itself (CANCELLED: a graceful shutdown past its grace period), or grpc.aio made up
     an INTERNAL because a write lost the race with the stream's end (the coordinator's own
@@ -240,7 +240,7 @@ class AsyncSession:
                 # else: the answer to an operation that already timed out or was cancelled
             return up, "the coordinator ended the stream"
         except grpc.RpcError as err:
-            if _worth_reopening(err):
+            if worth_reopening(err):
                 return up, err.details() or err.code().name
             self._fail_pending(codes.error_from_rpc(err, self.address))
             return up, None

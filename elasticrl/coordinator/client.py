@@ -111,12 +111,13 @@ class CoordinatorClient:
         tls_ca: str | None = None,
         call_timeout_s: float = 10.0,
         reconnect_timeout_s: float = 30.0,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
     ):
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self._metadata = wire.auth_metadata(resolve_token(token))
-        self._channel = wire.open_channel(address, tls_ca, aio=False)
+        self._channel = wire.open_channel(address, tls_ca, aio=False, max_message_bytes=max_message_bytes)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
@@ -130,9 +131,10 @@ class CoordinatorClient:
 
     # -- transport ---------------------------------------------------------------------------
 
-    def _call(self, method: str, request, *, timeout_s: float | None = None, retry_s: float | None = None):
-        """One unary call with a deadline, retried on UNAVAILABLE for at most ``retry_s``."""
-        fn = getattr(self._stub, method)
+    def _call(self, method: str, request, *, timeout_s: float | None = None, retry_s: float | None = None, stub=None):
+        """One unary call (of ``stub``, default the Coordinator service) with a deadline,
+        retried on UNAVAILABLE for at most ``retry_s``."""
+        fn = getattr(stub or self._stub, method)
         deadline = self.call_timeout_s if timeout_s is None else timeout_s
         budget = self.reconnect_timeout_s if retry_s is None else retry_s
 

@@ -21,6 +21,7 @@ _CODES: dict[type[errors.ElasticRLError], grpc.StatusCode] = {
     errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.FencedError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.RunClosedError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotReadyError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.AuthError: grpc.StatusCode.UNAUTHENTICATED,
     errors.CoordinatorTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,

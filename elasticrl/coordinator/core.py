@@ -109,6 +109,9 @@ class CoordinatorCore:
         self._kv_events: dict[str, asyncio.Event] = {}
         self._round_events: dict[str, asyncio.Event] = {}
         self._watchers: dict[str, set[Watcher]] = {}
+        # Called as fn(run_id, member) right after a member stops being live (left, evicted or
+        # replaced): the scheduler requeues that member's tasks.
+        self.gone_listeners: list[Callable[[str, Member], None]] = []
         if self.runs:
             live = sum(len(r.live_members()) for r in self.runs.values())
             log.info(
@@ -205,6 +208,10 @@ class CoordinatorCore:
         self._after_membership_change(run)
         return member, epoch
 
+    def check_member(self, run_id: str, member_id: str, incarnation: int) -> Member:
+        """The live member ``member_id`` with exactly ``incarnation``, else NotFound/Fenced."""
+        return self._fence(self._run(run_id), member_id, incarnation)
+
     def keep_alive(self, run_id: str, member_id: str, incarnation: int) -> tuple[int, float]:
         run = self._run(run_id)
         m = self._fence(run, member_id, incarnation)
@@ -234,6 +241,11 @@ class CoordinatorCore:
         )
         kind = "left" if status is MemberStatus.LEFT else "evicted"
         self._emit(run, Event(kind, m, run.epoch, reason))
+        for listener in self.gone_listeners:
+            try:
+                listener(run.run_id, m)
+            except Exception:  # noqa: BLE001 - a listener's bug must not undo a membership change
+                log.exception("member-gone listener %r failed for %s/%s", listener, run.run_id, m.member_id)
 
     def _after_membership_change(self, run: Run) -> None:
         for barrier in list(run.open_barriers.values()):

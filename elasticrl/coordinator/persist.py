@@ -88,6 +88,11 @@ class StateDB:
     def close(self) -> None:
         self._conn.close()
 
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """For other tables that share this database and its transactions (``scheduler.persist``)."""
+        return self._conn
+
     def _meta(self, key: str) -> str | None:
         row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else row[0]

@@ -23,15 +23,26 @@ from grpc_health.v1.health import aio as health_aio
 from elasticrl.coordinator.core import CoordinatorCore, Limits
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
+from elasticrl.scheduler import service as scheduler_service
+from elasticrl.scheduler.core import SchedulerCore
+from elasticrl.scheduler.store import TrajectoryStore
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "elasticrl.v1.Coordinator"
-MAX_MESSAGE_BYTES = 16 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+TRAJECTORY_DIR = "trajectories"
 STATE_FILE = "coordinator.sqlite"
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ] + SERVER_OPTIONS
+
+
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
@@ -63,6 +74,9 @@ class CoordinatorConfig:
     """SQLite synchronous=FULL: survive power loss, at a cost per write."""
     port_file: str | None = None
     """Write the bound port here once serving (atomically), for scripts that bind port 0."""
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    """Largest gRPC message accepted or sent, bytes (trajectory batches are the big ones);
+    workers must batch below it (``RolloutWorker(max_message_bytes=...)``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,6 +85,8 @@ class CoordinatorConfig:
             raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s is too short; use at least 0.1 s")
         if not 0.001 <= self.tick_s <= self.lease_ttl_s:
             raise ValueError(f"tick_s: {self.tick_s}s must be between 1 ms and the lease TTL ({self.lease_ttl_s}s)")
+        if not 1 << 20 <= self.max_message_bytes <= 2**31 - 1:
+            raise ValueError(f"max_message_bytes: {self.max_message_bytes} must be between 1 MiB and 2 GiB - 1")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: pass both or neither")
 
@@ -133,8 +149,11 @@ class CoordinatorServer:
         self.core = CoordinatorCore(self.db, lease_ttl_s=config.lease_ttl_s, limits=limits)
         token = config.read_token()
         interceptors = [TokenInterceptor(token)] if token else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         add_to_server(CoordinatorServicer(self.core), self.server)
+        trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)
+        self.scheduler = SchedulerCore(self.core, TrajectoryStore(trajectories, fsync=config.fsync))
+        scheduler_service.add_to_server(scheduler_service.SchedulerServicer(self.scheduler), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{config.host}:{config.port}"
@@ -176,6 +195,7 @@ class CoordinatorServer:
         while True:
             try:
                 self.core.tick()
+                self.scheduler.tick()
             except Exception:  # noqa: BLE001 - one bad tick must not stop eviction for good
                 log.exception("coordinator tick failed; retrying next tick")
             await asyncio.sleep(self.config.tick_s)

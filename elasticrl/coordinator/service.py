@@ -55,7 +55,7 @@ _ROUND_STATUS = {
 }
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, ElasticRLError):
         code, trailing = codes.status_for(exc)
         await context.abort(code, str(exc), trailing_metadata=trailing)
@@ -63,7 +63,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _error_message(exc: Exception) -> pb.Error:
+def error_message(exc: Exception) -> pb.Error:
     """A Session operation's failure: the code and class a unary call would have failed with."""
     if isinstance(exc, ElasticRLError):
         code, trailing = codes.status_for(exc)
@@ -76,7 +76,7 @@ def _error_message(exc: Exception) -> pb.Error:
     )
 
 
-def _guarded(handler):
+def guarded(handler):
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
@@ -86,7 +86,7 @@ def _guarded(handler):
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never escapes
             if isinstance(exc, grpc.aio.AbortError):
                 raise
-            await _abort(context, exc)
+            await abort_with(context, exc)
 
     return wrapper
 
@@ -170,7 +170,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # -- membership --------------------------------------------------------------------------
 
-    @_guarded
+    @guarded
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         member, epoch = self.core.join(
             v.ident("run_id", request.run_id),
@@ -186,7 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             lease_ttl_ms=int(member.lease_ttl_s * 1000),
         )
 
-    @_guarded
+    @guarded
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
         return self.keep_alive(request)
 
@@ -196,7 +196,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         epoch, ttl = self.core.keep_alive(v.ident("run_id", request.run_id), mid, inc)
         return pb.KeepAliveResponse(epoch=epoch, lease_ttl_ms=int(ttl * 1000))
 
-    @_guarded
+    @guarded
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         mid, inc = _member_ref("member", request.member)
         reason = v.text("reason", request.reason, v.MAX_REASON_LEN)
@@ -206,7 +206,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             run_id = v.ident("run_id", request.run_id)
         except ElasticRLError as exc:
-            await _abort(context, exc)
+            await abort_with(context, exc)
         watcher = self.core.subscribe(run_id)
         try:
             run = self.core.runs.get(run_id)
@@ -235,7 +235,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # -- barriers ----------------------------------------------------------------------------
 
-    @_guarded
+    @guarded
     async def Arrive(self, request: pb.ArriveRequest, context) -> pb.ArriveResponse:
         return (await self.arrive(request))[0]
 
@@ -299,7 +299,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if isinstance(item, BaseException):  # a bug in the reader: logged, INTERNAL
                     log.exception("session stream failed: %s", type(item).__name__, exc_info=item)
                     # named InternalError, so the client tells it from a transport failure
-                    await _abort(context, InternalError(f"internal error: {type(item).__name__}: {item}"))
+                    await abort_with(context, InternalError(f"internal error: {type(item).__name__}: {item}"))
                 if item is None:
                     return  # the client half-closed and every arrival was answered
                 yield item
@@ -320,7 +320,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     out.put_nowait(self._session_keep_alive(request.id, request.keep_alive))
                 else:
                     error = InvalidRequestError("op: must be set (keep_alive or arrive)")
-                    out.put_nowait(pb.SessionResponse(id=request.id, error=_error_message(error)))
+                    out.put_nowait(pb.SessionResponse(id=request.id, error=error_message(error)))
             while arrivals:
                 await asyncio.wait(set(arrivals))
             out.put_nowait(None)
@@ -333,7 +333,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             return pb.SessionResponse(id=request_id, keep_alive=self.keep_alive(request))
         except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
-            return pb.SessionResponse(id=request_id, error=_error_message(exc))
+            return pb.SessionResponse(id=request_id, error=error_message(exc))
 
     async def _session_arrive(self, request_id: int, request: pb.ArriveRequest, out: asyncio.Queue) -> None:
         try:
@@ -347,12 +347,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
-            response = pb.SessionResponse(id=request_id, error=_error_message(exc))
+            response = pb.SessionResponse(id=request_id, error=error_message(exc))
         out.put_nowait(response)
 
     # -- KV ----------------------------------------------------------------------------------
 
-    @_guarded
+    @guarded
     async def KVSet(self, request: pb.KVSetRequest, context) -> pb.KVSetResponse:
         pairs = [
             (v.key(f"pairs[{i}].key", p.key), v.value(f"pairs[{i}].value", p.value))
@@ -361,7 +361,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.core.kv_set(v.ident("run_id", request.run_id), pairs)
         return pb.KVSetResponse()
 
-    @_guarded
+    @guarded
     async def KVGet(self, request: pb.KVGetRequest, context) -> pb.KVGetResponse:
         run_id = v.ident("run_id", request.run_id)
         keys = [v.key(f"keys[{i}]", k) for i, k in enumerate(v.batch("keys", request.keys))]
@@ -371,7 +371,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         values, missing = self.core.kv_get(run_id, keys)
         return pb.KVGetResponse(values=[b"" if x is None else x for x in values], missing=missing)
 
-    @_guarded
+    @guarded
     async def KVCompareSet(self, request: pb.KVCompareSetRequest, context) -> pb.KVCompareSetResponse:
         value, swapped = self.core.kv_compare_set(
             v.ident("run_id", request.run_id),
@@ -381,23 +381,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.KVCompareSetResponse(value=value, swapped=swapped)
 
-    @_guarded
+    @guarded
     async def KVAdd(self, request: pb.KVAddRequest, context) -> pb.KVAddResponse:
         value = self.core.kv_add(v.ident("run_id", request.run_id), v.key("key", request.key), request.delta)
         return pb.KVAddResponse(value=value)
 
-    @_guarded
+    @guarded
     async def KVDelete(self, request: pb.KVDeleteRequest, context) -> pb.KVDeleteResponse:
         deleted = self.core.kv_delete(v.ident("run_id", request.run_id), v.key("key", request.key))
         return pb.KVDeleteResponse(deleted=deleted)
 
-    @_guarded
+    @guarded
     async def KVNumKeys(self, request: pb.KVNumKeysRequest, context) -> pb.KVNumKeysResponse:
         return pb.KVNumKeysResponse(count=self.core.kv_num_keys(v.ident("run_id", request.run_id)))
 
     # -- rendezvous --------------------------------------------------------------------------
 
-    @_guarded
+    @guarded
     async def RoundJoin(self, request: pb.RoundJoinRequest, context) -> pb.RoundJoinResponse:
         run_id = v.ident("run_id", request.run_id)
         mid, inc = _member_ref("member", request.member)
@@ -426,14 +426,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             reason=result.reason,
         )
 
-    @_guarded
+    @guarded
     async def CloseRun(self, request: pb.CloseRunRequest, context) -> pb.CloseRunResponse:
         self.core.close_run(v.ident("run_id", request.run_id), v.text("reason", request.reason, v.MAX_REASON_LEN))
         return pb.CloseRunResponse()
 
     # -- status ------------------------------------------------------------------------------
 
-    @_guarded
+    @guarded
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         if request.run_id:
             v.ident("run_id", request.run_id)
@@ -506,11 +506,16 @@ def _serialize(to_bytes, response) -> bytes:
 
 def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
     """Register every Coordinator RPC with raw-bytes deserialization (see ``_parsing``)."""
-    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    add_service(servicer, server, pb, "Coordinator")
+
+
+def add_service(servicer, server: grpc.aio.Server, module, name: str) -> None:
+    """Register every RPC of service ``name`` (defined in the generated ``module``) on ``server``."""
+    service = module.DESCRIPTOR.services_by_name[name]
     handlers = {}
     for method in service.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
+        request_cls = getattr(module, method.input_type.name)
+        response_cls = getattr(module, method.output_type.name)
         impl = getattr(servicer, method.name)
         serialize = functools.partial(_serialize, response_cls.SerializeToString)
         if method.client_streaming and method.server_streaming:

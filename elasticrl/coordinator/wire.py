@@ -15,9 +15,9 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator.state import BarrierResult, Outcome
 from elasticrl.errors import BarrierTimeoutError
 
+# Matches the coordinator's default --max-message-mb; trajectory batches are the large messages.
+MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 << 20),
-    ("grpc.max_send_message_length", 16 << 20),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -35,16 +35,20 @@ DEADLINE_SLACK_S = 5.0
 POLICIES = {"evict_missing": pb.TIMEOUT_POLICY_EVICT_MISSING, "report": pb.TIMEOUT_POLICY_REPORT}
 
 
-def open_channel(address: str, tls_ca: str | None, *, aio: bool):
+def open_channel(address: str, tls_ca: str | None, *, aio: bool, max_message_bytes: int = MAX_MESSAGE_BYTES):
     """A (grpc or grpc.aio) channel to ``address``: TLS verified against ``tls_ca`` when given."""
     if ":" not in address:
         raise ValueError(f"address: {address!r} must be HOST:PORT")
     mod = grpc.aio if aio else grpc
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ] + CHANNEL_OPTIONS
     if tls_ca is None:
-        return mod.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return mod.insecure_channel(address, options=options)
     with open(tls_ca, "rb") as f:
         creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-    return mod.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    return mod.secure_channel(address, creds, options=options)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

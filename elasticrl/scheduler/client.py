@@ -1,0 +1,127 @@
+"""Blocking client of the scheduler, for the driver (submit, wait for the seal) and for trainer
+ranks (fetch their shard of a sealed iteration).
+
+A ``CoordinatorClient`` with the Scheduler calls added: same channel, token, TLS, deadlines,
+retries on UNAVAILABLE, and errors mapped once by ``codes``. Waiting for a seal is a chain of
+short server-side waits, so a coordinator restart in the middle costs one retried call; a fetch
+that breaks is retried from the start (it is a read).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import tenacity
+
+from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
+from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator.client import CoordinatorClient
+from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
+from elasticrl.errors import CoordinatorTimeoutError, InvalidRequestError
+from elasticrl.scheduler.convert import POLICY_TO_PB, SPLIT_TO_PB, fetched_from_pb, manifest_from_pb, task_to_pb
+from elasticrl.scheduler.state import FetchedGroup, Policy, Split, TaskSpec
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerClient(CoordinatorClient):
+    """Thread-safe, like ``CoordinatorClient``; one per process is plenty."""
+
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._sched = spb_grpc.SchedulerStub(self._channel)
+
+    def submit_iteration(
+        self,
+        run_id: str,
+        iteration: int,
+        tasks: list[TaskSpec],
+        *,
+        policy: str = "dynamic",
+        deadline_s: float = 0.0,
+        min_fraction: float = 1.0,
+        task_lease_s: float = 0.0,
+        backup_tasks: int = 0,
+    ) -> bool:
+        """Queue an iteration's tasks; False if it was already submitted with the same tasks.
+
+        ``deadline_s`` (0: none): after it, the iteration seals once ``min_fraction`` of its groups
+        are done. ``task_lease_s`` (0: 600 s): a task unfinished this long after its assignment is
+        requeued. ``backup_tasks``: dynamic policy only, how many backup copies of the last
+        straggling tasks idle workers may run.
+        """
+        try:
+            pol = Policy(policy)
+        except ValueError:
+            raise InvalidRequestError(f"policy: {policy!r} is not one of {', '.join(p.value for p in Policy)}") from None
+        request = spb.SubmitIterationRequest(
+            run_id=run_id,
+            iteration=iteration,
+            tasks=[task_to_pb(t) for t in tasks],
+            policy=POLICY_TO_PB[pol],
+            deadline_ms=round(deadline_s * 1000),
+            min_fraction=min_fraction,
+            task_lease_ms=round(task_lease_s * 1000),
+            backup_tasks=backup_tasks,
+        )
+        return self._call("SubmitIteration", request, stub=self._sched).created
+
+    def iteration_status(self, run_id: str, iteration: int | None = None) -> dict | None:
+        """The manifest so far of ``iteration`` (default: the run's newest), or None."""
+        request = spb.IterationStatusRequest(run_id=run_id, iteration=iteration or 0, latest=iteration is None)
+        resp = self._call("IterationStatus", request, stub=self._sched)
+        return manifest_from_pb(resp.manifest) if resp.found else None
+
+    def wait_sealed(self, run_id: str, iteration: int, timeout_s: float) -> dict:
+        """Block until ``iteration`` seals; returns its manifest. ``CoordinatorTimeoutError`` after
+        ``timeout_s`` (the message says how far it got)."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            wait_s = max(0.0, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            request = spb.WaitSealedRequest(run_id=run_id, iteration=iteration, wait_ms=round(wait_s * 1000))
+            resp = self._call("WaitSealed", request, stub=self._sched, timeout_s=wait_s + DEADLINE_SLACK_S)
+            manifest = manifest_from_pb(resp.manifest)
+            if manifest["sealed"]:
+                return manifest
+            if time.monotonic() >= give_up:
+                raise CoordinatorTimeoutError(
+                    f"iteration {iteration} of run {run_id!r} did not seal within {timeout_s:.1f}s: "
+                    f"{manifest['tasks_done']}/{manifest['tasks_total']} done, {manifest['tasks_running']} running"
+                )
+
+    def fetch_shard(
+        self,
+        run_id: str,
+        iteration: int,
+        *,
+        rank: int,
+        world_size: int,
+        split: str = "train",
+        timeout_s: float | None = None,
+    ) -> list[FetchedGroup]:
+        """This rank's groups of a sealed iteration, balanced by tokens across ``world_size`` ranks
+        (the same split for every caller with the same world size)."""
+        request = spb.FetchShardRequest(
+            run_id=run_id, iteration=iteration, rank=rank, world_size=world_size, split=SPLIT_TO_PB[Split(split)]
+        )
+        deadline = timeout_s or max(self.call_timeout_s, 60.0)
+
+        def once() -> list[FetchedGroup]:
+            groups: list[FetchedGroup] = []
+            for resp in self._sched.FetchShard(request, timeout=deadline, metadata=self._metadata):
+                groups.extend(fetched_from_pb(g) for g in resp.groups)
+            return groups
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(codes.is_retryable),
+            wait=wire.retry_wait(),
+            stop=tenacity.stop_after_delay(self.reconnect_timeout_s),
+            reraise=True,
+        )
+        try:
+            return retrying(once)
+        except grpc.RpcError as err:
+            raise codes.error_from_rpc(err, self.address) from None

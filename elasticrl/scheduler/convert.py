@@ -1,0 +1,169 @@
+"""Protobuf <-> scheduler dataclasses, with field validation, for the servicer and the clients.
+
+Only transport modules (``service``, ``client``, ``worker``) import this; ``core`` never sees a
+message.
+"""
+
+from __future__ import annotations
+
+import math
+
+from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl.coordinator import validate as v
+from elasticrl.errors import InvalidRequestError
+from elasticrl.scheduler.state import FetchedGroup, GroupRecord, Policy, SampleRecord, Sampling, Split, TaskSpec
+
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_SAMPLES = 4096
+MAX_METADATA = 64 << 10
+
+POLICY_FROM_PB = {
+    spb.SCHEDULE_POLICY_UNSPECIFIED: Policy.DYNAMIC,
+    spb.SCHEDULE_POLICY_DYNAMIC: Policy.DYNAMIC,
+    spb.SCHEDULE_POLICY_STATIC: Policy.STATIC,
+}
+POLICY_TO_PB = {Policy.DYNAMIC: spb.SCHEDULE_POLICY_DYNAMIC, Policy.STATIC: spb.SCHEDULE_POLICY_STATIC}
+SPLIT_FROM_PB = {spb.SPLIT_UNSPECIFIED: Split.TRAIN, spb.SPLIT_TRAIN: Split.TRAIN, spb.SPLIT_EVAL: Split.EVAL}
+SPLIT_TO_PB = {Split.TRAIN: spb.SPLIT_TRAIN, Split.EVAL: spb.SPLIT_EVAL}
+
+
+def task_from_pb(field: str, t: spb.TaskSpec) -> TaskSpec:
+    v.ident(f"{field}.task_id", t.task_id)
+    if len(t.prompt_ids) > MAX_PROMPT_TOKENS:
+        raise InvalidRequestError(f"{field}.prompt_ids: {len(t.prompt_ids)} tokens, at most {MAX_PROMPT_TOKENS}")
+    if not t.prompt_ids and not t.prompt_text:
+        raise InvalidRequestError(f"{field}: needs prompt_ids or prompt_text")
+    if not 1 <= t.num_samples <= MAX_SAMPLES:
+        raise InvalidRequestError(f"{field}.num_samples: {t.num_samples} must be in 1..{MAX_SAMPLES} (the GRPO group size)")
+    s = t.sampling
+    for name, value, low, high in (("temperature", s.temperature, 0.0, 100.0), ("top_p", s.top_p, 0.0, 1.0)):
+        if not math.isfinite(value) or not low <= value <= high:
+            raise InvalidRequestError(f"{field}.sampling.{name}: {value!r} must be in [{low:g}, {high:g}] (0 means the default)")
+    if t.split not in SPLIT_FROM_PB:
+        raise InvalidRequestError(f"{field}.split: {t.split} is not a known Split value")
+    v.text(f"{field}.metadata_json", t.metadata_json, MAX_METADATA)
+    v.text(f"{field}.prompt_text", t.prompt_text, MAX_PROMPT_TOKENS)
+    return TaskSpec(
+        task_id=t.task_id,
+        prompt_ids=list(t.prompt_ids),
+        prompt_text=t.prompt_text,
+        num_samples=t.num_samples,
+        sampling=Sampling(
+            temperature=s.temperature or 1.0,
+            top_p=s.top_p or 1.0,
+            max_new_tokens=s.max_new_tokens,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+        ),
+        split=SPLIT_FROM_PB[t.split],
+        metadata_json=t.metadata_json,
+    )
+
+
+def task_to_pb(t: TaskSpec) -> spb.TaskSpec:
+    s = t.sampling
+    return spb.TaskSpec(
+        task_id=t.task_id,
+        prompt_ids=t.prompt_ids,
+        prompt_text=t.prompt_text,
+        num_samples=t.num_samples,
+        sampling=spb.SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed,
+            stop_token_ids=s.stop_token_ids,
+        ),
+        split=SPLIT_TO_PB[t.split],
+        metadata_json=t.metadata_json,
+    )
+
+
+def group_from_pb(field: str, g: spb.TrajectoryGroup) -> tuple[int, GroupRecord]:
+    v.ident(f"{field}.task_id", g.task_id)
+    samples = []
+    for j, s in enumerate(g.samples):
+        if len(s.completion_ids) % 4 or len(s.logprobs) != len(s.completion_ids):
+            raise InvalidRequestError(
+                f"{field}.samples[{j}]: completion_ids ({len(s.completion_ids)} bytes) must be int32 and "
+                f"logprobs ({len(s.logprobs)} bytes) one float32 per token"
+            )
+        if not math.isfinite(s.reward):
+            raise InvalidRequestError(f"{field}.samples[{j}].reward: {s.reward!r} is not finite")
+        samples.append(SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text))
+    if not samples:
+        raise InvalidRequestError(f"{field}.samples: must not be empty")
+    return g.iteration, GroupRecord(g.task_id, "", g.policy_version, g.gen_seconds, g.reward_seconds, samples)
+
+
+def group_to_pb(iteration: int, g: GroupRecord, spec: TaskSpec) -> spb.TrajectoryGroup:
+    return spb.TrajectoryGroup(
+        iteration=iteration,
+        task_id=g.task_id,
+        samples=[
+            spb.Sample(completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
+                       finish_reason=s.finish_reason, text=s.text)
+            for s in g.samples
+        ],
+        policy_version=g.policy_version,
+        gen_seconds=g.gen_seconds,
+        reward_seconds=g.reward_seconds,
+        node=g.node,
+        prompt_ids=spec.prompt_ids,
+        split=SPLIT_TO_PB[spec.split],
+        metadata_json=spec.metadata_json,
+    )
+
+
+def manifest_to_pb(m: dict) -> spb.IterationManifest:
+    return spb.IterationManifest(
+        **{k: m[k] for k in _MANIFEST_FIELDS},
+        evicted=m["evicted"],
+        nodes=[spb.NodeCounts(**n) for n in m["nodes"]],
+        policy=POLICY_TO_PB[Policy(m["policy"])],
+    )
+
+
+_MANIFEST_FIELDS = (
+    "run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued",
+    "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed",
+    "backups_issued", "elapsed_s", "tokens",
+)
+_NODE_FIELDS = ("node", "assigned", "done", "running", "refused", "tokens", "tasks_per_s", "slots", "evicted")
+
+
+def manifest_from_pb(m: spb.IterationManifest) -> dict:
+    """The same dict ``SchedulerCore.manifest`` builds (and ``manifest.json`` holds)."""
+    out = {k: getattr(m, k) for k in _MANIFEST_FIELDS}
+    out["evicted"] = list(m.evicted)
+    out["nodes"] = [{k: getattr(n, k) for k in _NODE_FIELDS} for n in m.nodes]
+    out["policy"] = POLICY_FROM_PB.get(m.policy, Policy.DYNAMIC).value
+    return out
+
+
+def fetched_from_pb(g: spb.TrajectoryGroup) -> FetchedGroup:
+    return FetchedGroup(
+        iteration=g.iteration,
+        task_id=g.task_id,
+        node=g.node,
+        policy_version=g.policy_version,
+        gen_seconds=g.gen_seconds,
+        reward_seconds=g.reward_seconds,
+        prompt_ids=list(g.prompt_ids),
+        split=SPLIT_FROM_PB.get(g.split, Split.TRAIN),
+        metadata_json=g.metadata_json,
+        samples=[SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text) for s in g.samples],
+    )
+
+
+def result_to_pb(iteration: int, g: GroupRecord) -> spb.TrajectoryGroup:
+    """What a worker sends for one finished task."""
+    return spb.TrajectoryGroup(
+        iteration=iteration,
+        task_id=g.task_id,
+        samples=[
+            spb.Sample(completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
+                       finish_reason=s.finish_reason, text=s.text)
+            for s in g.samples
+        ],
+        policy_version=g.policy_version,
+        gen_seconds=g.gen_seconds,
+        reward_seconds=g.reward_seconds,
+    )

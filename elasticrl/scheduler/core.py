@@ -1,0 +1,524 @@
+"""The scheduler's engine: task queues, leases, exactly-once results, sealing and shards.
+
+One ``SchedulerCore`` lives on the coordinator's event loop beside ``CoordinatorCore`` (whose
+membership it trusts: a worker is a member of the iteration's run, and when that member stops
+being live the core's listener requeues everything it held). Like the coordinator core, every
+change is written first (a shard file for accepted groups, then SQLite), then applied in memory,
+then pushed to whoever waits: a worker's outbox (assignments, cancels, acks) or a seal waiter.
+
+Invariants:
+  * a task is DONE at most once; its group is the first result accepted for it, and every other
+    result for it is refused and counted (duplicate, fenced, sealed), never stored;
+  * a worker never holds more copies than its slots, and a copy it holds is freed only by its
+    result, its release, a cancel sent to it, or its stream closing;
+  * an evicted (or disconnected) worker's running tasks go back to the front of the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from elasticrl.coordinator.core import CoordinatorCore
+from elasticrl.coordinator.state import Member, MemberStatus
+from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, NotReadyError, RunClosedError
+from elasticrl.scheduler import policy
+from elasticrl.scheduler.persist import SchedulerDB
+from elasticrl.scheduler.state import (
+    GroupRecord,
+    Holder,
+    Iteration,
+    IterationConfig,
+    Policy,
+    Split,
+    Task,
+    TaskSpec,
+    TaskStatus,
+    Worker,
+)
+from elasticrl.scheduler.store import TrajectoryStore
+
+log = logging.getLogger(__name__)
+
+# A fenced worker's stream stays open this long so the results it sends after waking up (a
+# SIGSTOPped process, say) reach us and are refused and counted, rather than lost in transit.
+FENCED_STREAM_GRACE_S = 60.0
+
+
+@dataclasses.dataclass
+class Assign:
+    items: list[tuple[int, TaskSpec, float, bool]]
+    """(iteration, task, lease seconds, is backup copy)."""
+
+
+@dataclasses.dataclass
+class Cancel:
+    iteration: int
+    task_ids: list[str]
+
+
+@dataclasses.dataclass
+class Ack:
+    accepted: int
+    refused: list[tuple[int, str, str]]
+    """(iteration, task id, reason)."""
+
+
+@dataclasses.dataclass
+class End:
+    """Close the stream; with an error, fail it with that error's status."""
+
+    error: Exception | None = None
+
+
+class WorkerConn:
+    """One worker's open stream: its state plus the outbox the stream writer drains."""
+
+    def __init__(self, run_id: str, worker: Worker):
+        self.run_id = run_id
+        self.worker = worker
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self.fenced_at: float | None = None
+
+    def send(self, message) -> None:
+        if not self.closed:
+            self.outbox.put_nowait(message)
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        coord: CoordinatorCore,
+        store: TrajectoryStore,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        self.coord = coord
+        self.clock = coord.clock
+        self.db = SchedulerDB(coord.db)
+        self.store = store
+        self.iterations: dict[str, dict[int, Iteration]] = collections.defaultdict(dict)
+        self.conns: dict[str, dict[str, WorkerConn]] = collections.defaultdict(dict)
+        self._seal_events: dict[tuple[str, int], asyncio.Event] = {}
+        now = self.clock()
+        self._elapsed_at_seal: dict[tuple[str, int], float] = {}
+        for it, elapsed in self.db.load(now, wall_clock()):
+            self.iterations[it.run_id][it.iteration] = it
+            if it.sealed:
+                self._elapsed_at_seal[(it.run_id, it.iteration)] = elapsed
+            else:
+                self._load_groups(it)
+        self._wall = wall_clock
+        coord.gone_listeners.append(self._member_gone)
+        open_its = [it for its in self.iterations.values() for it in its.values() if not it.sealed]
+        if open_its:
+            log.info(
+                "scheduler: resumed %d open iteration(s); %d task(s) done, %d requeued for the workers to take",
+                len(open_its), sum(it.count(TaskStatus.DONE) for it in open_its),
+                sum(len(it.queue) for it in open_its),
+            )
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def iteration(self, run_id: str, iteration: int) -> Iteration:
+        it = self.iterations.get(run_id, {}).get(iteration)
+        if it is None:
+            raise NotFoundError(f"iteration: run {run_id!r} has no iteration {iteration} (submit it first)")
+        return it
+
+    def latest(self, run_id: str) -> Iteration | None:
+        its = self.iterations.get(run_id)
+        return its[max(its)] if its else None
+
+    def _load_groups(self, it: Iteration) -> None:
+        """Read back every stored group of ``it`` that is not in memory (after a restart)."""
+        missing = {shard for tid, shard in it.shard_of.items() if tid not in it.groups}
+        for shard in sorted(missing):
+            for group, _ in self.store.read_shard(it.run_id, it.iteration, shard):
+                if it.shard_of.get(group.task_id) == shard:
+                    it.groups[group.task_id] = group
+
+    # -- submitting --------------------------------------------------------------------------
+
+    def submit(self, run_id: str, iteration: int, specs: list[TaskSpec], config: IterationConfig) -> bool:
+        """Queue an iteration's tasks. Returns False for a retried submit of the same tasks."""
+        run = self.coord.runs.get(run_id)
+        if run is not None and run.closed:
+            raise RunClosedError(f"run {run_id!r} is closed ({run.close_reason}); start a new run id")
+        old = self.iterations.get(run_id, {}).get(iteration)
+        if old is not None:
+            if [t.spec.task_id for t in old.tasks.values()] == [s.task_id for s in specs]:
+                return False
+            raise InvalidRequestError(
+                f"iteration: {iteration} of run {run_id!r} was already submitted with other tasks; "
+                "use a new iteration number"
+            )
+        now = self.clock()
+        it = Iteration(
+            run_id=run_id,
+            iteration=iteration,
+            config=config,
+            tasks={s.task_id: Task(spec=s, seq=i) for i, s in enumerate(specs)},
+            submitted_at=now,
+        )
+        ids = [s.task_id for s in specs]
+        workers = {m: c.worker.weight for m, c in self.conns.get(run_id, {}).items() if not c.worker.fenced}
+        if config.policy is Policy.STATIC and workers:
+            it.shares = {m: collections.deque(share) for m, share in policy.static_shares(ids, workers).items()}
+        else:
+            if config.policy is Policy.STATIC:
+                log.warning("run %s iteration %d: static policy but no worker connected; tasks go to a shared queue", run_id, iteration)
+            it.queue.extend(ids)
+        with self.db.tx() as db:
+            db.put_iteration(it, self._wall())
+        self.iterations[run_id][iteration] = it
+        log.info(
+            "run %s iteration %d: %d task(s) submitted (%s, deadline %s, min_fraction %g, %d worker(s) connected)",
+            run_id, iteration, len(specs), config.policy.value,
+            f"{config.deadline_s:g}s" if config.deadline_s else "none", config.min_fraction, len(workers),
+        )
+        self._dispatch(run_id)
+        return True
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def connect(self, run_id: str, member_id: str, incarnation: int, *, slots: int, weight: float) -> WorkerConn:
+        """Open a worker's stream. The member must be live with exactly this incarnation."""
+        self.coord.check_member(run_id, member_id, incarnation)
+        conn = WorkerConn(run_id, Worker(member_id, incarnation, slots, weight, self.clock()))
+        old = self.conns[run_id].get(member_id)
+        if old is not None:
+            # The same process reconnected (its old stream is not closed yet on our side): it still
+            # runs what it held, so the copies move to the new stream instead of being requeued.
+            if old.worker.incarnation == incarnation:
+                conn.worker.holding = old.worker.holding
+                old.worker.holding = set()
+            old.send(End(FencedError(f"worker {member_id!r} opened a newer stream")))
+            old.closed = True
+        self.conns[run_id][member_id] = conn
+        log.info("run %s: worker %s (incarnation %d) connected with %d slot(s), weight %g",
+                 run_id, member_id, incarnation, slots, weight)
+        self._dispatch(run_id)
+        return conn
+
+    def disconnect(self, conn: WorkerConn, reason: str) -> None:
+        conn.closed = True
+        if self.conns.get(conn.run_id, {}).get(conn.worker.member_id) is not conn:
+            return  # replaced by a newer stream of the same worker
+        del self.conns[conn.run_id][conn.worker.member_id]
+        n = self._requeue_holdings(conn, f"stream closed: {reason}")
+        log.info("run %s: worker %s disconnected (%s); %d task(s) requeued", conn.run_id, conn.worker.member_id, reason, n)
+        self._dispatch(conn.run_id)
+
+    def _member_gone(self, run_id: str, member: Member) -> None:
+        conn = self.conns.get(run_id, {}).get(member.member_id)
+        evicted = member.status is MemberStatus.EVICTED
+        for it in self.iterations.get(run_id, {}).values():
+            if not it.sealed and member.member_id in it.nodes and evicted and member.member_id not in it.evicted:
+                it.evicted.append(member.member_id)
+                it.node(member.member_id).evicted = True
+        if conn is None or conn.worker.incarnation != member.incarnation:
+            return
+        conn.worker.fenced = True
+        n = self._requeue_holdings(conn, f"{member.status.value}: {member.reason}")
+        log.info("run %s: worker %s %s; %d running task(s) requeued", run_id, member.member_id, member.status.value, n)
+        # The stream stays open until FENCED_STREAM_GRACE_S (see ``tick``), so late results are
+        # refused and counted rather than lost in flight.
+        conn.fenced_at = self.clock()
+        self._dispatch(run_id)
+
+    def _requeue_holdings(self, conn: WorkerConn, why: str) -> int:
+        n = 0
+        by_iteration: dict[int, list[str]] = collections.defaultdict(list)
+        for iteration, task_id in sorted(conn.worker.holding):
+            by_iteration[iteration].append(task_id)
+        conn.worker.holding = set()
+        for iteration, task_ids in by_iteration.items():
+            it = self.iterations.get(conn.run_id, {}).get(iteration)
+            if it is None or it.sealed:
+                continue
+            with self.db.tx():
+                for task_id in reversed(task_ids):  # appendleft: keep their order at the front
+                    n += self._requeue(it, it.tasks[task_id], conn.worker.member_id, why)
+                self.db.put_counters(it)
+            # No cancel to a fenced worker: what it finishes is still sent, then refused and
+            # counted (and it learns it is fenced from its keep-alive or the stream's end).
+        return n
+
+    def _requeue(self, it: Iteration, task: Task, member_id: str, why: str) -> int:
+        """Drop ``member_id``'s copy of ``task``; queue the task again if no copy is left.
+        Call inside a transaction (the caller persists the counters)."""
+        task.holders.pop(member_id, None)
+        if task.status is not TaskStatus.RUNNING or task.holders:
+            return 0
+        task.status = TaskStatus.QUEUED
+        task.requeues += 1
+        it.counters.requeued += 1
+        it.queue.appendleft(task.spec.task_id)
+        self.db.put_requeue(it, task)
+        log.debug("run %s iteration %d: task %s requeued (%s)", it.run_id, it.iteration, task.spec.task_id, why)
+        return 1
+
+    def release(self, conn: WorkerConn, iteration: int, task_ids: list[str], reason: str) -> None:
+        """The worker gives tasks back unfinished: they are queued again for anyone."""
+        it = self.iteration(conn.run_id, iteration)
+        with self.db.tx():
+            for task_id in task_ids:
+                key = (iteration, task_id)
+                if key in conn.worker.holding:
+                    conn.worker.holding.discard(key)
+                    if not it.sealed and task_id in it.tasks:
+                        self._requeue(it, it.tasks[task_id], conn.worker.member_id, f"released: {reason}")
+            self.db.put_counters(it)
+        self._dispatch(conn.run_id)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _dispatch(self, run_id: str) -> None:
+        """Hand queued tasks to workers with free slots, one task per worker per pass, so equal
+        workers start with equal work."""
+        conns = [c for c in self.conns.get(run_id, {}).values() if not c.closed and c.worker.free > 0]
+        open_its = policy.oldest_open(list(self.iterations.get(run_id, {}).values()))
+        if not conns or not open_its:
+            return
+        now = self.clock()
+        batches: dict[int, list] = collections.defaultdict(list)
+        progress = True
+        while progress:
+            progress = False
+            for conn in conns:
+                if conn.worker.free <= 0:
+                    continue
+                for it in open_its:
+                    picks = policy.pick_tasks(it, conn.worker, 1)
+                    if picks:
+                        task_id, backup = picks[0]
+                        batches[id(conn)].append(self._assign(it, it.tasks[task_id], conn.worker, now, backup))
+                        progress = True
+                        break
+        for conn in conns:
+            items = batches.get(id(conn))
+            if items:
+                conn.send(Assign(items))
+
+    def _assign(self, it: Iteration, task: Task, worker: Worker, now: float, backup: bool):
+        task_id = task.spec.task_id
+        if not backup:
+            for source in (it.shares.get(worker.member_id), it.queue):
+                if source and task_id in source:
+                    if source[0] == task_id:
+                        source.popleft()
+                    else:
+                        source.remove(task_id)
+                    break
+        else:
+            it.counters.backups_issued += 1
+        task.status = TaskStatus.RUNNING
+        lease = it.config.task_lease_s
+        task.holders[worker.member_id] = Holder(worker.member_id, worker.incarnation, now, now + lease, backup)
+        worker.holding.add((it.iteration, task_id))
+        stats = it.node(worker.member_id)
+        stats.assigned += 1
+        if stats.first_assigned_at is None:
+            stats.first_assigned_at = now
+        return (it.iteration, task.spec, lease, backup)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def accept(self, conn: WorkerConn, groups: list[tuple[int, GroupRecord]]) -> tuple[Ack, FencedError | None]:
+        """Store the first result of each task; refuse (and count) every other one. The error,
+        when set, says the worker is fenced: its stream ends after the ack."""
+        worker = conn.worker
+        run = self.coord.runs.get(conn.run_id)
+        fenced = worker.fenced or run is None or not run.is_live(worker.member_id, worker.incarnation)
+        now = self.clock()
+        refused: list[tuple[int, str, str]] = []
+        fresh: dict[int, list[GroupRecord]] = collections.defaultdict(list)
+        touched: set[int] = set()
+        for iteration, group in groups:
+            worker.holding.discard((iteration, group.task_id))
+            it = self.iterations.get(conn.run_id, {}).get(iteration)
+            task = it.tasks.get(group.task_id) if it is not None else None
+            if task is None:
+                refused.append((iteration, group.task_id, "unknown"))
+                continue
+            task.holders.pop(worker.member_id, None)
+            touched.add(iteration)
+            reason = None
+            if fenced:
+                reason, it.counters.refused_fenced = "fenced", it.counters.refused_fenced + 1
+            elif task.status is TaskStatus.DONE or any(g.task_id == group.task_id for g in fresh[iteration]):
+                reason, it.counters.refused_duplicate = "duplicate", it.counters.refused_duplicate + 1
+            elif it.sealed:
+                reason, it.counters.refused_sealed = "sealed", it.counters.refused_sealed + 1
+            if reason:
+                refused.append((iteration, group.task_id, reason))
+                it.node(worker.member_id).refused += 1
+                continue
+            group.node = worker.member_id
+            fresh[iteration].append(group)
+        accepted = 0
+        for iteration in sorted(touched):
+            it = self.iterations[conn.run_id][iteration]
+            batch = fresh.get(iteration, [])
+            shard = ""
+            if batch:  # the shard first: a commit must never point at a file that is not there
+                shard = self.store.write_shard(
+                    conn.run_id, iteration, [(g, it.tasks[g.task_id].spec.prompt_ids) for g in batch]
+                )
+            with self.db.tx() as db:
+                if batch:
+                    db.put_done(it, [g.task_id for g in batch], worker.member_id, shard)
+                for g in batch:
+                    self._complete(it, it.tasks[g.task_id], g, shard, now)
+                db.put_counters(it)
+            accepted += len(batch)
+            self._maybe_seal(it)
+        if fenced and groups:
+            log.info("run %s: refused %d result(s) from fenced worker %s (incarnation %d)",
+                     conn.run_id, len(groups), worker.member_id, worker.incarnation)
+            end = FencedError(f"worker {worker.member_id!r} incarnation {worker.incarnation} is no longer live; join again")
+            return Ack(accepted, refused), end
+        self._dispatch(conn.run_id)
+        return Ack(accepted, refused), None
+
+    def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str, now: float) -> None:
+        task.status = TaskStatus.DONE
+        task.done_by = group.node
+        it.groups[task.spec.task_id] = group
+        it.shard_of[task.spec.task_id] = shard
+        stats = it.node(group.node)
+        stats.done += 1
+        stats.tokens += group.num_tokens
+        stats.last_result_at = now
+        self._cancel_copies(it, task.spec.task_id, keep=group.node)
+        task.holders.clear()
+
+    def _cancel_copies(self, it: Iteration, task_id: str, keep: str = "") -> None:
+        """Tell every other worker running ``task_id`` to drop it; their slots are free again."""
+        key = (it.iteration, task_id)
+        for member_id, conn in self.conns.get(it.run_id, {}).items():
+            if member_id != keep and key in conn.worker.holding:
+                conn.worker.holding.discard(key)
+                conn.send(Cancel(it.iteration, [task_id]))
+
+    # -- time: task leases and deadlines -------------------------------------------------------
+
+    def tick(self) -> None:
+        now = self.clock()
+        for conns in self.conns.values():
+            for conn in conns.values():
+                if conn.fenced_at is not None and now - conn.fenced_at >= FENCED_STREAM_GRACE_S:
+                    conn.send(End(FencedError(f"worker {conn.worker.member_id!r} is no longer live; join again")))
+                    conn.fenced_at = None
+        for run_id, its in list(self.iterations.items()):
+            changed = False
+            for it in its.values():
+                if it.sealed:
+                    continue
+                expired = policy.expired_holders(it, now)
+                if expired:
+                    with self.db.tx():
+                        for task_id, member_id in expired:
+                            # The holder keeps its slot (it is presumably still busy on the task);
+                            # whichever copy finishes first is accepted.
+                            changed |= bool(self._requeue(it, it.tasks[task_id], member_id, "task lease expired"))
+                        self.db.put_counters(it)
+                    log.info("run %s iteration %d: %d task lease(s) expired; requeued", run_id, it.iteration, len(expired))
+                self._maybe_seal(it)
+            if changed:
+                self._dispatch(run_id)
+
+    def _maybe_seal(self, it: Iteration) -> None:
+        seal, reason = policy.decide_seal(it, self.clock())
+        if seal:
+            self._seal(it, reason)
+
+    def _seal(self, it: Iteration, reason: str) -> None:
+        now = self.clock()
+        dropped = [t for t in it.tasks.values() if t.status in (TaskStatus.QUEUED, TaskStatus.RUNNING)]
+        it.sealed_at, it.seal_reason = now, reason
+        with self.db.tx() as db:
+            db.put_seal(it, now - it.submitted_at)
+        for task in dropped:
+            task.status = TaskStatus.DROPPED
+            task.holders.clear()
+            self._cancel_copies(it, task.spec.task_id)
+        it.queue.clear()
+        it.shares.clear()
+        manifest = self.manifest(it)
+        self.store.write_manifest(it.run_id, it.iteration, manifest)
+        log.info(
+            "run %s iteration %d sealed: %s; %d/%d done, %d requeued, %d refused, evicted %s, %.2fs",
+            it.run_id, it.iteration, reason, manifest["tasks_done"], manifest["tasks_total"], manifest["requeued"],
+            manifest["refused_duplicate"] + manifest["refused_fenced"] + manifest["refused_sealed"],
+            it.evicted or "none", manifest["elapsed_s"],
+        )
+        event = self._seal_events.pop((it.run_id, it.iteration), None)
+        if event is not None:
+            event.set()
+        self._dispatch(it.run_id)
+
+    async def wait_sealed(self, run_id: str, iteration: int, wait_s: float) -> Iteration:
+        it = self.iteration(run_id, iteration)
+        if not it.sealed and wait_s > 0:
+            event = self._seal_events.setdefault((run_id, iteration), asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return it
+
+    # -- reading results -----------------------------------------------------------------------
+
+    def manifest(self, it: Iteration) -> dict:
+        now = self.clock()
+        running: dict[str, int] = collections.Counter(
+            m for t in it.tasks.values() if t.status is TaskStatus.RUNNING for m in t.holders
+        )
+        nodes = []
+        for member_id in sorted(set(it.nodes) | set(running)):
+            s = it.node(member_id)
+            span = (s.last_result_at or 0) - (s.first_assigned_at or 0)
+            conn = self.conns.get(it.run_id, {}).get(member_id)
+            nodes.append({
+                "node": member_id, "assigned": s.assigned, "done": s.done, "running": running.get(member_id, 0),
+                "refused": s.refused, "tokens": s.tokens, "evicted": s.evicted,
+                "tasks_per_s": s.done / span if s.done and span > 0 else 0.0,
+                "slots": conn.worker.slots if conn else 0,
+            })
+        if it.sealed:
+            elapsed = self._elapsed_at_seal.get((it.run_id, it.iteration), it.sealed_at - it.submitted_at)
+        else:
+            elapsed = now - it.submitted_at
+        c = it.counters
+        return {
+            "run_id": it.run_id, "iteration": it.iteration, "sealed": it.sealed, "seal_reason": it.seal_reason,
+            "policy": it.config.policy.value,
+            "tasks_total": len(it.tasks), "tasks_done": it.count(TaskStatus.DONE),
+            "tasks_queued": it.count(TaskStatus.QUEUED), "tasks_running": it.count(TaskStatus.RUNNING),
+            "requeued": c.requeued, "refused_duplicate": c.refused_duplicate, "refused_fenced": c.refused_fenced,
+            "refused_sealed": c.refused_sealed, "backups_issued": c.backups_issued,
+            "nodes": nodes, "evicted": list(it.evicted), "elapsed_s": elapsed,
+            "tokens": sum(n["tokens"] for n in nodes),
+        }
+
+    def shard(self, run_id: str, iteration: int, rank: int, world_size: int, split: Split) -> list[tuple[GroupRecord, Task]]:
+        """Rank ``rank``'s part of a sealed iteration's ``split`` groups, balanced by tokens."""
+        it = self.iteration(run_id, iteration)
+        if not it.sealed:
+            raise NotReadyError(
+                f"iteration: {iteration} of run {run_id!r} is not sealed yet "
+                f"({it.count(TaskStatus.DONE)}/{len(it.tasks)} done); wait for the seal first"
+            )
+        if not 0 <= rank < world_size:
+            raise InvalidRequestError(f"rank: {rank} must be in 0..world_size-1 (world_size={world_size})")
+        self._load_groups(it)
+        done = [t for t in it.tasks.values() if t.status is TaskStatus.DONE and t.spec.split is split]
+        plan = policy.balance_shards([(t.spec.task_id, t.seq, it.groups[t.spec.task_id].num_tokens) for t in done], world_size)
+        return [(it.groups[task_id], it.tasks[task_id]) for task_id in plan[rank]]

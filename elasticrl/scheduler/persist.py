@@ -1,0 +1,162 @@
+"""The scheduler's durable state: two tables in the coordinator's SQLite database.
+
+They share ``StateDB``'s connection and transactions, so a change that touches membership and
+tasks together commits together. What is stored: each iteration's config, submit wall time,
+counters and seal; each task's spec, requeue count, and (once accepted) who completed it and the
+shard that holds its group. Which worker runs which task is not stored: after a restart every
+unfinished task is queued again and workers reconnect (their late results are still accepted
+once). JSON columns, no pickle.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+
+from elasticrl.coordinator.persist import StateDB
+from elasticrl.scheduler.state import (
+    Counters,
+    Iteration,
+    IterationConfig,
+    NodeStats,
+    Policy,
+    Sampling,
+    Split,
+    Task,
+    TaskSpec,
+    TaskStatus,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sched_iterations (
+    run_id TEXT NOT NULL, iteration INTEGER NOT NULL, config TEXT NOT NULL,
+    submitted_unix REAL NOT NULL, counters TEXT NOT NULL, sealed INTEGER NOT NULL,
+    seal_reason TEXT NOT NULL, elapsed_s REAL NOT NULL, PRIMARY KEY (run_id, iteration));
+CREATE TABLE IF NOT EXISTS sched_tasks (
+    run_id TEXT NOT NULL, iteration INTEGER NOT NULL, task_id TEXT NOT NULL, seq INTEGER NOT NULL,
+    spec TEXT NOT NULL, requeues INTEGER NOT NULL, done_by TEXT NOT NULL, shard TEXT NOT NULL,
+    PRIMARY KEY (run_id, iteration, task_id));
+"""
+
+
+class SchedulerDB:
+    def __init__(self, db: StateDB):
+        self.db = db
+        self._conn = db.connection
+        self._conn.executescript(_SCHEMA)
+
+    @contextlib.contextmanager
+    def tx(self):
+        """One transaction of the shared database (re-entrant, like ``StateDB.tx``)."""
+        with self.db.tx():
+            yield self
+
+    def put_iteration(self, it: Iteration, submitted_unix: float) -> None:
+        self._conn.execute(
+            "INSERT INTO sched_iterations VALUES (?, ?, ?, ?, ?, 0, '', 0)",
+            (it.run_id, it.iteration, json.dumps(_config_json(it.config)), submitted_unix, _counters_json(it)),
+        )
+        self._conn.executemany(
+            "INSERT INTO sched_tasks VALUES (?, ?, ?, ?, ?, 0, '', '')",
+            [
+                (it.run_id, it.iteration, t.spec.task_id, t.seq, json.dumps(_spec_json(t.spec)))
+                for t in it.tasks.values()
+            ],
+        )
+
+    def put_counters(self, it: Iteration) -> None:
+        self._conn.execute(
+            "UPDATE sched_iterations SET counters=? WHERE run_id=? AND iteration=?",
+            (_counters_json(it), it.run_id, it.iteration),
+        )
+
+    def put_done(self, it: Iteration, task_ids: list[str], done_by: str, shard: str) -> None:
+        self._conn.executemany(
+            "UPDATE sched_tasks SET done_by=?, shard=? WHERE run_id=? AND iteration=? AND task_id=?",
+            [(done_by, shard, it.run_id, it.iteration, tid) for tid in task_ids],
+        )
+
+    def put_requeue(self, it: Iteration, task: Task) -> None:
+        self._conn.execute(
+            "UPDATE sched_tasks SET requeues=? WHERE run_id=? AND iteration=? AND task_id=?",
+            (task.requeues, it.run_id, it.iteration, task.spec.task_id),
+        )
+
+    def put_seal(self, it: Iteration, elapsed_s: float) -> None:
+        self._conn.execute(
+            "UPDATE sched_iterations SET sealed=1, seal_reason=?, elapsed_s=?, counters=? WHERE run_id=? AND iteration=?",
+            (it.seal_reason, elapsed_s, _counters_json(it), it.run_id, it.iteration),
+        )
+
+    def load(self, now: float, wall_now: float) -> list[tuple[Iteration, float]]:
+        """Every stored iteration, with its submit time mapped onto this process's clock, and
+        (for sealed ones) the elapsed time recorded at the seal."""
+        tasks: dict[tuple[str, int], list[tuple]] = collections.defaultdict(list)
+        for row in self._conn.execute(
+            "SELECT run_id, iteration, task_id, seq, spec, requeues, done_by, shard FROM sched_tasks ORDER BY seq"
+        ):
+            tasks[(row[0], row[1])].append(row[2:])
+        out = []
+        for run_id, iteration, config, submitted_unix, counters, sealed, seal_reason, elapsed_s in self._conn.execute(
+            "SELECT * FROM sched_iterations ORDER BY run_id, iteration"
+        ):
+            age = max(0.0, wall_now - submitted_unix)
+            it = Iteration(
+                run_id=run_id,
+                iteration=iteration,
+                config=_config_from(json.loads(config)),
+                tasks={},
+                submitted_at=now - age,
+            )
+            _counters_from(it, json.loads(counters))
+            for task_id, seq, spec, requeues, done_by, shard in tasks[(run_id, iteration)]:
+                task = Task(spec=_spec_from(json.loads(spec)), seq=seq, requeues=requeues, done_by=done_by)
+                if done_by:
+                    task.status = TaskStatus.DONE
+                    it.shard_of[task_id] = shard
+                elif sealed:
+                    task.status = TaskStatus.DROPPED
+                else:
+                    it.queue.append(task_id)
+                it.tasks[task_id] = task
+            if sealed:
+                it.sealed_at = now
+                it.seal_reason = seal_reason
+            out.append((it, elapsed_s))
+        return out
+
+
+def _config_json(c: IterationConfig) -> dict:
+    d = dataclasses.asdict(c)
+    d["policy"] = c.policy.value
+    return d
+
+
+def _config_from(d: dict) -> IterationConfig:
+    return IterationConfig(**{**d, "policy": Policy(d["policy"])})
+
+
+def _spec_json(s: TaskSpec) -> dict:
+    d = dataclasses.asdict(s)
+    d["split"] = s.split.value
+    return d
+
+
+def _spec_from(d: dict) -> TaskSpec:
+    return TaskSpec(**{**d, "split": Split(d["split"]), "sampling": Sampling(**d["sampling"])})
+
+
+def _counters_json(it: Iteration) -> str:
+    nodes = {
+        m: {"assigned": n.assigned, "done": n.done, "refused": n.refused, "tokens": n.tokens, "evicted": n.evicted}
+        for m, n in it.nodes.items()
+    }
+    return json.dumps({"counters": dataclasses.asdict(it.counters), "nodes": nodes, "evicted": it.evicted})
+
+
+def _counters_from(it: Iteration, d: dict) -> None:
+    it.counters = Counters(**d["counters"])
+    it.nodes = {m: NodeStats(**n) for m, n in d["nodes"].items()}
+    it.evicted = list(d["evicted"])

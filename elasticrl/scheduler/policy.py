@@ -1,0 +1,129 @@
+"""Pure scheduling decisions: static shares, what a worker takes next, expired task leases,
+when an iteration seals, and how a sealed batch is split across trainer ranks.
+
+Every function reads state and a time and returns a decision (most with a reason string); none
+mutates anything, so ``core`` can apply, persist and log them, and tests can drive them with a
+made-up clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from elasticrl.scheduler.state import Iteration, Policy, TaskStatus, Worker
+
+
+def static_shares(task_ids: list[str], weights: dict[str, float]) -> dict[str, list[str]]:
+    """Split ``task_ids`` into contiguous shares proportional to ``weights`` (largest remainder).
+
+    Deterministic: members in sorted order, ties in remainder go to the earlier member. This is the
+    old ``--rank-weights "2,1,1"`` split, kept as a baseline.
+    """
+    members = sorted(weights)
+    if not members:
+        return {}
+    total = sum(weights[m] for m in members)
+    n = len(task_ids)
+    exact = [n * weights[m] / total for m in members]
+    counts = [math.floor(x) for x in exact]
+    short = n - sum(counts)
+    by_remainder = sorted(range(len(members)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[:short]:
+        counts[i] += 1
+    shares, start = {}, 0
+    for m, c in zip(members, counts):
+        shares[m] = task_ids[start:start + c]
+        start += c
+    return shares
+
+
+def pick_tasks(it: Iteration, worker: Worker, free: int) -> list[tuple[str, bool]]:
+    """Up to ``free`` tasks of ``it`` for ``worker``: [(task id, is_backup)], without mutating.
+
+    Static: the worker's own share first, then requeued tasks anyone may take. Dynamic: the shared
+    queue in order; once it is empty, up to ``backup_tasks`` backup copies of the longest-running
+    tasks that only one other worker holds (the first copy to finish wins).
+    """
+    if it.sealed or free <= 0:
+        return []
+    picked: list[tuple[str, bool]] = []
+    sources = []
+    if it.config.policy is Policy.STATIC:
+        sources.append(it.shares.get(worker.member_id, ()))
+    sources.append(it.queue)
+    for source in sources:
+        for task_id in source:
+            if len(picked) >= free:
+                return picked
+            task = it.tasks[task_id]
+            if task.status is TaskStatus.QUEUED and worker.member_id not in task.holders:
+                picked.append((task_id, False))
+    budget = it.config.backup_tasks - it.counters.backups_issued
+    if it.config.policy is Policy.DYNAMIC and budget > 0 and len(picked) < free and not _queued_left(it, picked):
+        stragglers = sorted(
+            (t for t in it.tasks.values()
+             if t.status is TaskStatus.RUNNING and len(t.holders) == 1 and worker.member_id not in t.holders),
+            key=lambda t: (min(h.assigned_at for h in t.holders.values()), t.seq),
+        )
+        for task in stragglers[: min(budget, free - len(picked))]:
+            picked.append((task.spec.task_id, True))
+    return picked
+
+
+def _queued_left(it: Iteration, picked: list[tuple[str, bool]]) -> bool:
+    taken = {task_id for task_id, _ in picked}
+    return any(t.status is TaskStatus.QUEUED and t.spec.task_id not in taken for t in it.tasks.values())
+
+
+def expired_holders(it: Iteration, now: float) -> list[tuple[str, str]]:
+    """(task id, member id) of every running copy whose task lease has passed."""
+    return [
+        (task.spec.task_id, member_id)
+        for task in it.tasks.values()
+        if task.status is TaskStatus.RUNNING
+        for member_id, holder in task.holders.items()
+        if now >= holder.deadline
+    ]
+
+
+def decide_seal(it: Iteration, now: float) -> tuple[bool, str]:
+    """Seal when every task is done, or once the deadline passed with ``min_fraction`` done."""
+    if it.sealed:
+        return False, "already sealed"
+    total = len(it.tasks)
+    done = it.count(TaskStatus.DONE)
+    if done >= total:
+        return True, f"all {total} tasks done"
+    deadline = it.deadline
+    if deadline is None:
+        return False, f"{done}/{total} done, no deadline"
+    if now < deadline:
+        return False, f"{done}/{total} done, {deadline - now:.3f}s to the deadline"
+    need = math.ceil(it.config.min_fraction * total - 1e-9)
+    if done >= need:
+        return True, f"deadline passed with {done}/{total} groups (min_fraction {it.config.min_fraction:g})"
+    return False, f"deadline passed but only {done}/{total} groups; waiting for {need}"
+
+
+def balance_shards(groups: list[tuple[str, int, int]], world_size: int) -> list[list[str]]:
+    """Split groups across ``world_size`` ranks with near-equal token counts.
+
+    ``groups``: (task id, seq, tokens). Longest-processing-time greedy: largest groups first, each
+    to the rank with the fewest tokens so far (ties: fewer groups, then lower rank). Deterministic
+    for a given input and world size; each rank's list comes back in submission (seq) order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    heap = [(0, 0, rank) for rank in range(world_size)]
+    out: list[list[tuple[int, str]]] = [[] for _ in range(world_size)]
+    for task_id, seq, tokens in sorted(groups, key=lambda g: (-g[2], g[1])):
+        load, count, rank = heapq.heappop(heap)
+        out[rank].append((seq, task_id))
+        heapq.heappush(heap, (load + tokens, count + 1, rank))
+    return [[task_id for _, task_id in sorted(shard)] for shard in out]
+
+
+def oldest_open(iterations: list[Iteration]) -> list[Iteration]:
+    """Open iterations in the order their tasks should be handed out: oldest first."""
+    return sorted((it for it in iterations if not it.sealed), key=lambda it: (it.submitted_at, it.iteration))

@@ -1,0 +1,213 @@
+"""gRPC servicer of ``elasticrl.v1.Scheduler``: validates and converts messages, calls ``core``.
+
+Errors map exactly as in the coordinator's servicer (``coordinator.service.guarded``). The Work
+stream has one reader task (hello, results, releases) and one writer (this generator draining the
+worker's outbox), like the coordinator's Session stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import grpc
+
+from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
+from elasticrl.coordinator import validate as v
+from elasticrl.coordinator.service import abort_with, add_service, guarded
+from elasticrl.errors import InternalError, InvalidRequestError
+from elasticrl.scheduler.core import Ack, Assign, Cancel, End, SchedulerCore, WorkerConn
+from elasticrl.scheduler.convert import (
+    POLICY_FROM_PB,
+    SPLIT_FROM_PB,
+    group_from_pb,
+    group_to_pb,
+    manifest_to_pb,
+    task_from_pb,
+    task_to_pb,
+)
+from elasticrl.scheduler.state import IterationConfig
+
+log = logging.getLogger(__name__)
+
+MAX_TASKS = 100_000
+MAX_SLOTS = 4096
+DEFAULT_FETCH_MESSAGE_BYTES = 4 << 20
+HELLO_TIMEOUT_S = 30.0
+
+def _out_message(item) -> spb.WorkResponse:
+    if isinstance(item, Assign):
+        return spb.WorkResponse(assign=spb.Assignments(tasks=[
+            spb.TaskAssignment(iteration=i, task=task_to_pb(t), lease_ms=int(lease * 1000), backup=b)
+            for i, t, lease, b in item.items
+        ]))
+    if isinstance(item, Cancel):
+        return spb.WorkResponse(cancel=spb.CancelTasks(iteration=item.iteration, task_ids=item.task_ids))
+    if isinstance(item, Ack):
+        return spb.WorkResponse(ack=spb.ResultAck(
+            accepted=item.accepted,
+            refused=[spb.RefusedResult(iteration=i, task_id=t, reason=r) for i, t, r in item.refused],
+        ))
+    raise TypeError(f"no message for {item!r}")
+
+
+class SchedulerServicer(spb_grpc.SchedulerServicer):
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+
+    @guarded
+    async def SubmitIteration(self, request: spb.SubmitIterationRequest, context) -> spb.SubmitIterationResponse:
+        run_id = v.ident("run_id", request.run_id)
+        if not request.tasks:
+            raise InvalidRequestError("tasks: must not be empty")
+        if len(request.tasks) > MAX_TASKS:
+            raise InvalidRequestError(f"tasks: {len(request.tasks)} tasks, at most {MAX_TASKS} per iteration")
+        specs = [task_from_pb(f"tasks[{i}]", t) for i, t in enumerate(request.tasks)]
+        seen = set()
+        for i, s in enumerate(specs):
+            if s.task_id in seen:
+                raise InvalidRequestError(f"tasks[{i}].task_id: {s.task_id!r} appears twice; task ids must be unique")
+            seen.add(s.task_id)
+        if request.policy not in POLICY_FROM_PB:
+            raise InvalidRequestError(f"policy: {request.policy} is not a known SchedulePolicy value")
+        frac = request.min_fraction or 1.0
+        if not math.isfinite(frac) or not 0 < frac <= 1:
+            raise InvalidRequestError(f"min_fraction: {request.min_fraction!r} must be in (0, 1] (0 means 1)")
+        config = IterationConfig(
+            policy=POLICY_FROM_PB[request.policy],
+            deadline_s=v.duration_ms("deadline_ms", request.deadline_ms),
+            min_fraction=frac,
+            task_lease_s=v.duration_ms("task_lease_ms", request.task_lease_ms) or 600.0,
+            backup_tasks=request.backup_tasks,
+        )
+        created = self.core.submit(run_id, request.iteration, specs, config)
+        return spb.SubmitIterationResponse(created=created, num_tasks=len(specs))
+
+    @guarded
+    async def WaitSealed(self, request: spb.WaitSealedRequest, context) -> spb.WaitSealedResponse:
+        run_id = v.ident("run_id", request.run_id)
+        wait_s = v.duration_ms("wait_ms", request.wait_ms, high=60_000)
+        it = await self.core.wait_sealed(run_id, request.iteration, wait_s)
+        return spb.WaitSealedResponse(manifest=manifest_to_pb(self.core.manifest(it)))
+
+    @guarded
+    async def IterationStatus(self, request: spb.IterationStatusRequest, context) -> spb.IterationStatusResponse:
+        run_id = v.ident("run_id", request.run_id)
+        if request.latest:
+            it = self.core.latest(run_id)
+        else:
+            it = self.core.iterations.get(run_id, {}).get(request.iteration)
+        if it is None:
+            return spb.IterationStatusResponse(found=False)
+        return spb.IterationStatusResponse(found=True, manifest=manifest_to_pb(self.core.manifest(it)))
+
+    async def FetchShard(self, request: spb.FetchShardRequest, context):
+        try:
+            run_id = v.ident("run_id", request.run_id)
+            if request.world_size < 1:
+                raise InvalidRequestError(f"world_size: {request.world_size} must be >= 1")
+            if request.split not in SPLIT_FROM_PB:
+                raise InvalidRequestError(f"split: {request.split} is not a known Split value")
+            limit = request.max_message_bytes or DEFAULT_FETCH_MESSAGE_BYTES
+            groups = self.core.shard(run_id, request.iteration, request.rank, request.world_size, SPLIT_FROM_PB[request.split])
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await abort_with(context, exc)
+            return
+        total_tokens = sum(g.num_tokens for g, _ in groups)
+        batch, size, first = [], 0, True
+        for group, task in groups:
+            batch.append(group_to_pb(request.iteration, group, task.spec))
+            size += group.num_bytes + 4 * len(task.spec.prompt_ids) + 64
+            if size >= limit:
+                yield spb.FetchShardResponse(groups=batch, total_groups=len(groups) if first else 0,
+                                             total_tokens=total_tokens if first else 0)
+                batch, size, first = [], 0, False
+        if batch or first:
+            yield spb.FetchShardResponse(groups=batch, total_groups=len(groups) if first else 0,
+                                         total_tokens=total_tokens if first else 0)
+
+    async def Work(self, requests, context):
+        """One engine's stream: see the Work RPC in scheduler.proto."""
+        try:
+            hello = await asyncio.wait_for(_first(requests), HELLO_TIMEOUT_S)
+            conn = self._connect(hello)
+        except asyncio.TimeoutError:
+            await abort_with(context, InvalidRequestError(f"hello: none received within {HELLO_TIMEOUT_S:g}s"))
+            return
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await abort_with(context, exc)
+            return
+        await context.send_initial_metadata(())
+        reader = asyncio.create_task(self._read(conn, requests), name=f"work-read-{conn.worker.member_id}")
+        reason = "stream ended"
+        try:
+            while True:
+                item = await conn.outbox.get()
+                if isinstance(item, End):
+                    if item.error is None:
+                        return
+                    reason = str(item.error)
+                    if isinstance(item.error, grpc.aio.AbortError):
+                        raise item.error
+                    await abort_with(context, item.error)
+                yield _out_message(item)
+        finally:
+            reader.cancel()
+            self.core.disconnect(conn, reason)
+
+    def _connect(self, request: spb.WorkRequest) -> WorkerConn:
+        if request.WhichOneof("kind") != "hello":
+            raise InvalidRequestError("hello: the first message of a Work stream must be a hello")
+        h = request.hello
+        run_id = v.ident("hello.run_id", h.run_id)
+        member_id = v.ident("hello.member.member_id", h.member.member_id)
+        incarnation = v.incarnation("hello.member.incarnation", h.member.incarnation)
+        if not 1 <= h.slots <= MAX_SLOTS:
+            raise InvalidRequestError(f"hello.slots: {h.slots} must be in 1..{MAX_SLOTS} (tasks the engine runs at once)")
+        weight = v.weight("hello.weight", h.weight)
+        return self.core.connect(run_id, member_id, incarnation, slots=h.slots, weight=weight)
+
+    async def _read(self, conn: WorkerConn, requests) -> None:
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "results":
+                    groups, invalid = [], []
+                    for i, g in enumerate(request.results.groups):
+                        try:
+                            groups.append(group_from_pb(f"results.groups[{i}]", g))
+                        except InvalidRequestError as exc:  # refuse that group, keep the stream
+                            log.warning("worker %s sent a malformed result: %s", conn.worker.member_id, exc)
+                            invalid.append((g.iteration, g.task_id, f"invalid: {exc}"))
+                    ack, end = self.core.accept(conn, groups)
+                    ack.refused.extend(invalid)
+                    conn.send(ack)
+                    if end is not None:
+                        conn.send(End(end))
+                elif kind == "release":
+                    r = request.release
+                    self.core.release(conn, r.iteration, list(r.task_ids), v.text("release.reason", r.reason, v.MAX_REASON_LEN))
+                else:
+                    raise InvalidRequestError(f"kind: {kind or 'nothing'} is not allowed after the hello (send results or release)")
+            conn.send(End())
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError as exc:
+            conn.send(End(exc))
+        except Exception as exc:  # noqa: BLE001 - ends the stream with its status
+            if not isinstance(exc, InvalidRequestError):
+                log.exception("work stream of %s failed", conn.worker.member_id)
+                exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            conn.send(End(exc))
+
+
+async def _first(requests):
+    async for request in requests:
+        return request
+    raise InvalidRequestError("hello: the stream closed before its hello")
+
+
+def add_to_server(servicer: SchedulerServicer, server: grpc.aio.Server) -> None:
+    add_service(servicer, server, spb, "Scheduler")

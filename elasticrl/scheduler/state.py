@@ -1,0 +1,246 @@
+"""In-memory state of the rollout scheduler: iterations, tasks, who holds them, workers, results.
+
+Plain dataclasses with no I/O and no protobuf, like ``coordinator.state``. ``policy`` decides on
+them, ``core`` mutates them after ``persist`` wrote the change. Times are the coordinator's
+monotonic clock in seconds; what must survive a restart (submit time, deadlines) is stored as
+durations and re-granted on load.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import enum
+import sys
+
+
+class Policy(str, enum.Enum):
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+
+
+class Split(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class TaskStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    # The iteration sealed before this task finished; it never will.
+    DROPPED = "dropped"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 0
+    seed: int = 0
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TaskSpec:
+    """One GRPO group to draw: ``num_samples`` completions of one prompt."""
+
+    task_id: str
+    prompt_ids: list[int]
+    prompt_text: str = ""
+    num_samples: int = 1
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    split: Split = Split.TRAIN
+    metadata_json: str = ""
+
+
+@dataclasses.dataclass
+class SampleRecord:
+    completion_ids: bytes
+    """int32 little-endian token ids."""
+    logprobs: bytes
+    """float32 little-endian, one per completion token."""
+    reward: float
+    finish_reason: str = ""
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_ids) // 4
+
+    @staticmethod
+    def pack(completion_ids, logprobs, reward: float, finish_reason: str = "", text: str = "") -> "SampleRecord":
+        """From sequences of ints and floats (lists, arrays, tensors' ``.tolist()``)."""
+        ids = array.array("i", completion_ids)
+        lps = array.array("f", logprobs)
+        if len(ids) != len(lps):
+            raise ValueError(f"completion_ids has {len(ids)} tokens but logprobs has {len(lps)} values")
+        if sys.byteorder != "little":
+            ids.byteswap()
+            lps.byteswap()
+        return SampleRecord(ids.tobytes(), lps.tobytes(), float(reward), finish_reason, text)
+
+    def token_ids(self) -> list[int]:
+        return _unpack("i", self.completion_ids)
+
+    def logprob_list(self) -> list[float]:
+        return _unpack("f", self.logprobs)
+
+
+def _unpack(code: str, data: bytes) -> list:
+    values = array.array(code)
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+@dataclasses.dataclass
+class GroupRecord:
+    """An accepted result: one task's samples, as a worker produced them."""
+
+    task_id: str
+    node: str
+    policy_version: int
+    gen_seconds: float
+    reward_seconds: float
+    samples: list[SampleRecord]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(s.completion_ids) + len(s.logprobs) + len(s.text) for s in self.samples)
+
+
+@dataclasses.dataclass
+class FetchedGroup:
+    """A group as a trainer rank receives it: the result plus the task it answers."""
+
+    iteration: int
+    task_id: str
+    node: str
+    policy_version: int
+    gen_seconds: float
+    reward_seconds: float
+    prompt_ids: list[int]
+    split: Split
+    metadata_json: str
+    samples: list[SampleRecord]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+@dataclasses.dataclass
+class Holder:
+    """One worker running one copy of a task."""
+
+    member_id: str
+    incarnation: int
+    assigned_at: float
+    deadline: float
+    backup: bool = False
+
+
+@dataclasses.dataclass
+class Task:
+    spec: TaskSpec
+    seq: int
+    """Position in the submitted list: the order tasks are handed out and stored in."""
+    status: TaskStatus = TaskStatus.QUEUED
+    holders: dict[str, Holder] = dataclasses.field(default_factory=dict)
+    requeues: int = 0
+    done_by: str = ""
+
+
+@dataclasses.dataclass(kw_only=True)
+class IterationConfig:
+    policy: Policy = Policy.DYNAMIC
+    deadline_s: float = 0.0
+    """0: no deadline; the iteration seals only when every task is done."""
+    min_fraction: float = 1.0
+    task_lease_s: float = 600.0
+    backup_tasks: int = 0
+
+
+@dataclasses.dataclass
+class NodeStats:
+    assigned: int = 0
+    done: int = 0
+    refused: int = 0
+    tokens: int = 0
+    first_assigned_at: float | None = None
+    last_result_at: float | None = None
+    evicted: bool = False
+
+
+@dataclasses.dataclass
+class Counters:
+    requeued: int = 0
+    refused_duplicate: int = 0
+    refused_fenced: int = 0
+    refused_sealed: int = 0
+    backups_issued: int = 0
+
+
+@dataclasses.dataclass
+class Iteration:
+    run_id: str
+    iteration: int
+    config: IterationConfig
+    tasks: dict[str, Task]
+    submitted_at: float
+    queue: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
+    """Tasks anyone may take, in order (dynamic: all of them; static: requeued ones)."""
+    shares: dict[str, collections.deque[str]] = dataclasses.field(default_factory=dict)
+    """Static policy: member id -> the tasks set aside for it when the iteration was submitted."""
+    groups: dict[str, GroupRecord] = dataclasses.field(default_factory=dict)
+    """task id -> its accepted result. Every completed group, including an evicted node's."""
+    shard_of: dict[str, str] = dataclasses.field(default_factory=dict)
+    """task id -> the stored shard holding its group."""
+    nodes: dict[str, NodeStats] = dataclasses.field(default_factory=dict)
+    counters: Counters = dataclasses.field(default_factory=Counters)
+    evicted: list[str] = dataclasses.field(default_factory=list)
+    sealed_at: float | None = None
+    seal_reason: str = ""
+
+    @property
+    def sealed(self) -> bool:
+        return self.sealed_at is not None
+
+    @property
+    def deadline(self) -> float | None:
+        return self.submitted_at + self.config.deadline_s if self.config.deadline_s > 0 else None
+
+    def count(self, status: TaskStatus) -> int:
+        return sum(1 for t in self.tasks.values() if t.status is status)
+
+    def node(self, member_id: str) -> NodeStats:
+        stats = self.nodes.get(member_id)
+        if stats is None:
+            stats = self.nodes[member_id] = NodeStats()
+        return stats
+
+
+@dataclasses.dataclass
+class Worker:
+    """A connected engine stream. ``holding`` counts against its slots until a result, a
+    release or a cancel frees them."""
+
+    member_id: str
+    incarnation: int
+    slots: int
+    weight: float
+    connected_at: float
+    holding: set[tuple[int, str]] = dataclasses.field(default_factory=set)
+    """(iteration, task id) of every copy this worker runs."""
+    fenced: bool = False
+
+    @property
+    def free(self) -> int:
+        return 0 if self.fenced else max(0, self.slots - len(self.holding))

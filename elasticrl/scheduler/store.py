@@ -1,0 +1,167 @@
+"""Where accepted trajectories live: safetensors shards under the coordinator's state dir.
+
+Each accepted result batch becomes one shard file, written (temp file + rename) before the
+acceptance is committed to SQLite and acknowledged, so a coordinator killed at any moment loses no
+group a worker was told is stored; a shard whose commit never happened is simply never referenced.
+A sealed iteration also gets ``manifest.json``. Layout::
+
+    <state-dir>/trajectories/<run id>/<iteration, 8 digits>/shard-<n>.safetensors
+                                                           /manifest.json
+
+A shard is self-describing (no pickle): flat tensors plus a JSON header.
+
+    completion_ids int32 [T]   every sample's completion tokens, back to back
+    logprobs       float32 [T] the sampling policy's logprob of each of them
+    sample_tokens  int32 [S]   completion length of each sample
+    rewards        float32 [S]
+    group_samples  int32 [G]   samples per group
+    prompt_ids     int32 [P]   every group's prompt, back to back
+    prompt_lengths int32 [G]
+    metadata "groups": JSON list of {task_id, node, policy_version, gen_seconds, reward_seconds,
+                       finish_reasons, texts}
+
+Without a state dir (``root=None``) shards are kept in memory: same interface, not durable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+from safetensors.numpy import load as st_load, save as st_save
+
+from elasticrl.scheduler.state import GroupRecord, SampleRecord
+
+FORMAT = "elasticrl.trajectories.v1"
+MANIFEST = "manifest.json"
+
+
+class TrajectoryStore:
+    def __init__(self, root: str | os.PathLike | None, *, fsync: bool = False):
+        self.root = None if root is None else pathlib.Path(root)
+        self.fsync = fsync
+        self._memory: dict[tuple[str, int, str], bytes] = {}
+        self._next: dict[tuple[str, int], int] = {}
+
+    def iteration_dir(self, run_id: str, iteration: int) -> pathlib.Path:
+        assert self.root is not None, "in-memory store has no directories"
+        return self.root / run_id / f"{iteration:08d}"
+
+    def write_shard(self, run_id: str, iteration: int, groups: list[tuple[GroupRecord, list[int]]]) -> str:
+        """Store ``(group, prompt ids)`` pairs as one new shard; returns its name."""
+        data = encode_shard(run_id, iteration, groups)
+        key = (run_id, iteration)
+        n = self._next.get(key)
+        if n is None:
+            n = self._first_free(run_id, iteration)
+        self._next[key] = n + 1
+        name = f"shard-{n:06d}.safetensors"
+        if self.root is None:
+            self._memory[(run_id, iteration, name)] = data
+            return name
+        directory = self.iteration_dir(run_id, iteration)
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / name, data, fsync=self.fsync)
+        return name
+
+    def _first_free(self, run_id: str, iteration: int) -> int:
+        """After a restart, continue numbering after every shard on disk (committed or not)."""
+        if self.root is None:
+            return sum(1 for k in self._memory if k[:2] == (run_id, iteration))
+        directory = self.iteration_dir(run_id, iteration)
+        names = [p.name for p in directory.glob("shard-*.safetensors")] if directory.exists() else []
+        return 1 + max((int(n[6:12]) for n in names), default=-1)
+
+    def read_shard(self, run_id: str, iteration: int, name: str) -> list[tuple[GroupRecord, list[int]]]:
+        if self.root is None:
+            data = self._memory[(run_id, iteration, name)]
+        else:
+            data = (self.iteration_dir(run_id, iteration) / name).read_bytes()
+        return decode_shard(data)
+
+    def write_manifest(self, run_id: str, iteration: int, manifest: dict) -> None:
+        if self.root is None:
+            return
+        directory = self.iteration_dir(run_id, iteration)
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode(), fsync=self.fsync)
+
+
+def _atomic_write(path: pathlib.Path, data: bytes, *, fsync: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def encode_shard(run_id: str, iteration: int, groups: list[tuple[GroupRecord, list[int]]]) -> bytes:
+    samples = [s for g, _ in groups for s in g.samples]
+    tensors = {
+        "completion_ids": np.frombuffer(b"".join(s.completion_ids for s in samples), dtype="<i4"),
+        "logprobs": np.frombuffer(b"".join(s.logprobs for s in samples), dtype="<f4"),
+        "sample_tokens": np.array([s.num_tokens for s in samples], dtype="<i4"),
+        "rewards": np.array([s.reward for s in samples], dtype="<f4"),
+        "group_samples": np.array([len(g.samples) for g, _ in groups], dtype="<i4"),
+        "prompt_ids": np.array([t for _, p in groups for t in p], dtype="<i4"),
+        "prompt_lengths": np.array([len(p) for _, p in groups], dtype="<i4"),
+    }
+    header = [
+        {
+            "task_id": g.task_id,
+            "node": g.node,
+            "policy_version": g.policy_version,
+            "gen_seconds": g.gen_seconds,
+            "reward_seconds": g.reward_seconds,
+            "finish_reasons": [s.finish_reason for s in g.samples],
+            "texts": [s.text for s in g.samples],
+        }
+        for g, _ in groups
+    ]
+    metadata = {"format": FORMAT, "run_id": run_id, "iteration": str(iteration), "groups": json.dumps(header)}
+    return st_save(tensors, metadata=metadata)
+
+
+def decode_shard(data: bytes) -> list[tuple[GroupRecord, list[int]]]:
+    tensors = st_load(data)
+    header = json.loads(_metadata(data)["groups"])
+    ids = tensors["completion_ids"].astype("<i4", copy=False)
+    lps = tensors["logprobs"].astype("<f4", copy=False)
+    sample_tokens = tensors["sample_tokens"].tolist()
+    rewards = tensors["rewards"].tolist()
+    prompts = tensors["prompt_ids"].tolist()
+    out, tok, smp, pr = [], 0, 0, 0
+    for meta, n_samples, p_len in zip(header, tensors["group_samples"].tolist(), tensors["prompt_lengths"].tolist()):
+        samples = []
+        for j in range(n_samples):
+            n = sample_tokens[smp]
+            samples.append(SampleRecord(
+                completion_ids=ids[tok:tok + n].tobytes(),
+                logprobs=lps[tok:tok + n].tobytes(),
+                reward=rewards[smp],
+                finish_reason=meta["finish_reasons"][j],
+                text=meta["texts"][j],
+            ))
+            tok += n
+            smp += 1
+        group = GroupRecord(
+            task_id=meta["task_id"],
+            node=meta["node"],
+            policy_version=int(meta["policy_version"]),
+            gen_seconds=float(meta["gen_seconds"]),
+            reward_seconds=float(meta["reward_seconds"]),
+            samples=samples,
+        )
+        out.append((group, prompts[pr:pr + p_len]))
+        pr += p_len
+    return out
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer (8-byte little-endian header length, JSON)."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]).get("__metadata__", {})

@@ -1,0 +1,349 @@
+"""The engine side of the scheduler: a member that pulls tasks over one Work stream and streams
+trajectories back.
+
+``RolloutWorker`` joins the run as a member (its lease renewed by a keep-alive task), opens the
+stream with ``slots`` credits, runs each assigned task through a blocking ``generate`` callable
+in a thread pool of ``slots`` threads, and sends finished groups in batches: a batch goes out
+when it reaches ``batch_bytes`` or ``linger_s`` after its first group, whichever comes first.
+
+Nothing is lost on a broken stream: every batch stays in ``unacked`` until the coordinator acks
+it (after storing it durably) and is re-sent, in order, on the next stream; the coordinator
+accepts each task once, so a re-sent group it already stored is refused as a duplicate. When the
+coordinator says this incarnation is fenced (its lease lapsed while the process was paused, say),
+``run`` raises ``FencedError``: the caller may join again as a new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import types
+from collections.abc import Callable
+
+import grpc
+
+from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
+from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
+from elasticrl.coordinator.aio_session import worth_reopening
+from elasticrl.errors import CoordinatorUnavailableError, ElasticRLError, FencedError
+from elasticrl.scheduler.convert import result_to_pb, task_from_pb
+from elasticrl.scheduler.state import GroupRecord, TaskSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Assignment:
+    """One task handed to this worker. ``cancelled`` is set when another copy finished it or its
+    iteration sealed: an engine that checks it can stop early (its result would be dropped)."""
+
+    iteration: int
+    task: TaskSpec
+    lease_s: float
+    backup: bool
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+Generate = Callable[[Assignment], GroupRecord]
+"""Runs one task (blocking, in a worker thread) and returns its group. ``task_id`` must match;
+``gen_seconds`` is measured for it when left 0."""
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    completed: int = 0
+    accepted: int = 0
+    refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    cancelled: int = 0
+    failed: int = 0
+    batches_sent: int = 0
+    bytes_sent: int = 0
+    reconnects: int = 0
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        address: str,
+        run_id: str,
+        member_id: str,
+        generate: Generate,
+        *,
+        slots: int = 1,
+        weight: float = 1.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        lease_ttl_s: float = 0.0,
+        call_timeout_s: float = 10.0,
+        reconnect_timeout_s: float = 60.0,
+        batch_bytes: int = 4 << 20,
+        linger_s: float = 0.01,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+    ):
+        if slots < 1:
+            raise ValueError(f"slots: {slots} must be >= 1 (tasks the engine runs at once)")
+        if not 0 < batch_bytes < max_message_bytes:
+            raise ValueError(f"batch_bytes: {batch_bytes} must be in (0, max_message_bytes={max_message_bytes})")
+        self.address = address
+        self.run_id = run_id
+        self.member_id = member_id
+        self.generate = generate
+        self.slots = slots
+        self.weight = weight
+        self.lease_ttl_s = lease_ttl_s
+        self.batch_bytes = batch_bytes
+        self.linger_s = linger_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self._client_kwargs = dict(
+            token=token, tls_ca=tls_ca, call_timeout_s=call_timeout_s,
+            reconnect_timeout_s=reconnect_timeout_s, max_message_bytes=max_message_bytes,
+        )
+        self.stats = WorkerStats()
+        self.incarnation = 0
+        self.fenced: FencedError | None = None
+        self._client: AsyncCoordinatorClient | None = None
+        self._running: dict[tuple[int, str], Assignment] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._pending: list[spb.TrajectoryGroup] = []
+        self._pending_bytes = 0
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self.unacked: collections.deque[spb.WorkRequest] = collections.deque()
+        self._outbox: asyncio.Queue | None = None
+        self._stopping = False
+        self._acked = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Join, work until ``stop`` is set (then finish and flush what runs, and leave), or until
+        fenced (raises ``FencedError``) or the coordinator stays unreachable past the reconnect
+        budget (raises ``CoordinatorUnavailableError``)."""
+        stop = stop or asyncio.Event()
+        self._client = client = AsyncCoordinatorClient(self.address, **self._client_kwargs)
+        executor = concurrent.futures.ThreadPoolExecutor(self.slots, thread_name_prefix=f"engine-{self.member_id}")
+        try:
+            joined = await client.join(self.run_id, self.member_id, weight=self.weight, lease_ttl_s=self.lease_ttl_s)
+            self.incarnation = joined.incarnation
+            log.info("worker %s joined run %s as incarnation %d (%d slot(s))", self.member_id, self.run_id, self.incarnation, self.slots)
+            streams = asyncio.create_task(self._serve_streams(executor), name=f"work-{self.member_id}")
+            lease = asyncio.create_task(self._keep_alive(joined.lease_ttl_s), name=f"lease-{self.member_id}")
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({streams, lease, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if stopper in done:
+                await self._drain(streams)
+            elif lease in done and self.fenced is not None and not streams.done():
+                await self._finish_fenced(streams)
+            for task in (streams, lease, stopper):
+                task.cancel()
+            for task in (streams, lease):
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+            if self.fenced is not None:
+                raise self.fenced
+            if self.fenced is None:
+                try:
+                    await client.leave(self.run_id, self.member_id, self.incarnation, "worker stopped")
+                except ElasticRLError as exc:
+                    log.warning("worker %s: leave failed: %s", self.member_id, exc)
+        finally:
+            for a in self._running.values():
+                a.cancelled.set()
+            for task in list(self._tasks):
+                task.cancel()
+            executor.shutdown(wait=False, cancel_futures=True)
+            await client.close()
+
+    async def _drain(self, streams: asyncio.Task, timeout_s: float = 30.0) -> None:
+        """Stop taking work: give back what has not finished, flush results, wait for their acks."""
+        self._stopping = True
+        give_back = collections.defaultdict(list)
+        for (iteration, task_id), a in self._running.items():
+            a.cancelled.set()
+            give_back[iteration].append(task_id)
+        for iteration, task_ids in give_back.items():
+            self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=iteration, task_ids=task_ids, reason="worker stopping")))
+        self._flush()
+        deadline = time.monotonic() + timeout_s
+        while self.unacked and not streams.done() and time.monotonic() < deadline:
+            self._acked.clear()
+            try:
+                await asyncio.wait_for(self._acked.wait(), max(0.01, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+        if self.unacked:
+            log.warning("worker %s: stopping with %d unacknowledged batch(es)", self.member_id, len(self.unacked))
+
+    async def _finish_fenced(self, streams: asyncio.Task, timeout_s: float = 30.0) -> None:
+        """Fenced while tasks still run (woken from a pause, say): let them finish and send their
+        results anyway. The coordinator refuses and counts them, then ends the stream, so the
+        run's manifest shows what this incarnation did late instead of it vanishing."""
+        deadline = time.monotonic() + timeout_s
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
+        self._flush()
+        if self.unacked:
+            await asyncio.wait({streams}, timeout=max(0.0, deadline - time.monotonic()))
+
+    async def _keep_alive(self, ttl_s: float) -> None:
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            try:
+                await self._client.keep_alive(self.run_id, self.member_id, self.incarnation, retry_s=ttl_s / 3)
+            except FencedError as exc:
+                # Stop taking work, but keep the stream: what finishes is still sent, and the
+                # coordinator refuses and counts it, then ends the stream (-> run raises).
+                self.fenced = exc
+                self._stopping = True
+                log.error("worker %s incarnation %d fenced: %s", self.member_id, self.incarnation, exc)
+                return
+            except ElasticRLError as exc:
+                log.warning("worker %s: keep-alive failed (%s); retrying", self.member_id, exc)
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def _serve_streams(self, executor) -> None:
+        down_since: float | None = None
+        failures = 0
+        while True:
+            was_up, detail = await self._one_stream(executor)
+            now = time.monotonic()
+            if was_up or down_since is None:
+                down_since, failures = now, 0
+            left = down_since + self.reconnect_timeout_s - now
+            if left <= 0:
+                raise CoordinatorUnavailableError(
+                    f"coordinator at {self.address} is unreachable: work stream not reopened within "
+                    f"{self.reconnect_timeout_s:.1f}s ({detail})"
+                )
+            failures += 1
+            self.stats.reconnects += 1
+            pause = wire.retry_wait()(types.SimpleNamespace(attempt_number=failures))
+            log.info("worker %s: work stream broke (%s); reopening in %.2fs", self.member_id, detail, pause)
+            await asyncio.sleep(min(pause, left))
+
+    async def _requests(self, outbox: asyncio.Queue):
+        while (request := await outbox.get()) is not None:
+            yield request
+
+    async def _one_stream(self, executor) -> tuple[bool, str]:
+        """Hello, re-send unacked batches, then act on assignments, cancels and acks until the
+        stream ends. Returns (whether it was up, why it ended) if a new stream may help; raises
+        the mapped error (``FencedError``...) if not."""
+        outbox: asyncio.Queue = asyncio.Queue()
+        hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight)
+        hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
+        outbox.put_nowait(spb.WorkRequest(hello=hello))
+        stub = spb_grpc.SchedulerStub(self._client._channel)
+        call = stub.Work(self._requests(outbox), metadata=self._client._metadata)
+        up = False
+        try:
+            try:
+                await asyncio.wait_for(call.initial_metadata(), self._client.call_timeout_s)
+            except asyncio.TimeoutError:
+                call.cancel()
+                return False, f"stream not opened within {self._client.call_timeout_s:.1f}s"
+            if not call.done():
+                up = True
+                self._outbox = outbox
+                for request in self.unacked:  # the coordinator may not have stored them
+                    outbox.put_nowait(request)
+            async for resp in call:
+                kind = resp.WhichOneof("kind")
+                if kind == "assign":
+                    for a in resp.assign.tasks:
+                        self._start(executor, a)
+                elif kind == "cancel":
+                    for task_id in resp.cancel.task_ids:
+                        a = self._running.pop((resp.cancel.iteration, task_id), None)
+                        if a is not None:
+                            a.cancelled.set()
+                            self.stats.cancelled += 1
+                elif kind == "ack":
+                    if self.unacked:
+                        self.unacked.popleft()
+                    self.stats.accepted += resp.ack.accepted
+                    for r in resp.ack.refused:
+                        self.stats.refused[r.reason.split(":")[0]] += 1
+                    self._acked.set()
+            return up, "the coordinator ended the stream"
+        except grpc.RpcError as err:
+            if worth_reopening(err):
+                return up, err.details() or err.code().name
+            exc = codes.error_from_rpc(err, self.address)
+            if isinstance(exc, FencedError):
+                self.fenced = exc
+            raise exc from None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            self._outbox = None
+            outbox.put_nowait(None)
+
+    # -- tasks and results ---------------------------------------------------------------------
+
+    def _start(self, executor, a: spb.TaskAssignment) -> None:
+        spec = task_from_pb("assign.task", a.task)
+        if self._stopping:
+            self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=a.iteration, task_ids=[spec.task_id], reason="worker stopping")))
+            return
+        assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
+        key = (a.iteration, spec.task_id)
+        self._running[key] = assignment
+        task = asyncio.create_task(self._run_task(executor, key, assignment))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_task(self, executor, key: tuple[int, str], a: Assignment) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            group = await loop.run_in_executor(executor, self.generate, a)
+        except Exception as exc:  # noqa: BLE001 - an engine failure gives the task back, it does not kill the worker
+            log.exception("worker %s: task %s of iteration %d failed", self.member_id, a.task.task_id, a.iteration)
+            self.stats.failed += 1
+            if self._running.pop(key, None) is not None:
+                self._send(spb.WorkRequest(release=spb.ReleaseTasks(
+                    iteration=a.iteration, task_ids=[a.task.task_id], reason=f"engine error: {type(exc).__name__}: {exc}"[:1000],
+                )))
+            return
+        if self._running.pop(key, None) is None or a.cancelled.is_set():
+            return  # cancelled meanwhile: another copy won, or the iteration sealed
+        if group.task_id != a.task.task_id:
+            raise AssertionError(f"generate returned task {group.task_id!r} for {a.task.task_id!r}")
+        if not group.gen_seconds:
+            group.gen_seconds = time.perf_counter() - started
+        self.stats.completed += 1
+        message = result_to_pb(a.iteration, group)
+        self._pending.append(message)
+        self._pending_bytes += group.num_bytes
+        if self._pending_bytes >= self.batch_bytes:
+            self._flush()
+        elif self._flush_timer is None:
+            self._flush_timer = loop.call_later(self.linger_s, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if not self._pending:
+            return
+        request = spb.WorkRequest(results=spb.ResultBatch(groups=self._pending))
+        self.stats.batches_sent += 1
+        self.stats.bytes_sent += self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+        self.unacked.append(request)
+        if self._outbox is not None:
+            self._outbox.put_nowait(request)
+
+    def _send(self, request: spb.WorkRequest) -> None:
+        """A release: best effort (if no stream is up, the coordinator requeues on its own)."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(request)
