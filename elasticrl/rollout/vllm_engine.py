@@ -1,0 +1,330 @@
+"""The ``vllm`` rollout engine: one ``vllm.LLM`` kept alive for the whole run, asleep while training.
+
+Per iteration: ``generate`` -> ``sleep()`` (vLLM sleep mode: level 1 offloads the weights to CPU
+RAM and drops the KV cache; level 2 drops both) -> training -> ``update_weights`` (wake only the
+weight memory, load the new tensors in place on every worker, then wake the KV cache) ->
+``generate``. The engine is never rebuilt between iterations.
+
+vLLM APIs relied on (read in vLLM's source and docs, v0.10-v0.2x):
+
+* ``LLM(model=..., enable_sleep_mode=True, worker_extension_cls=..., logprobs_mode=...)``;
+  ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes returned logprobs come from the
+  logits after temperature and top-k/top-p (``TopKTopPSampler.forward_native``), the default
+  ``"raw_logprobs"`` from the unscaled model (``vllm/v1/sample/sampler.py``).
+* ``LLM.generate([{"prompt_token_ids": ids}], sampling_params=[SamplingParams(n=..., logprobs=0,
+  seed=..., ...)])``: outputs come back in prompt order; ``CompletionOutput.token_ids`` and
+  ``.logprobs[i][token_id].logprob`` (``logprobs=0`` returns just the sampled token's). With a seed
+  and n > 1 vLLM gives child i the seed ``seed + i`` (``vllm/v1/engine/parallel_sampling.py``).
+* ``LLM.sleep(level=1|2)`` / ``LLM.wake_up(tags=["weights"] | ["kv_cache"] | None)``
+  (docs: features/sleep_mode, "wake up only model weights or KV cache to avoid OOM during weight
+  updates"); older vLLMs have ``wake_up()`` without tags, handled below.
+* ``LLM.collective_rpc(method, args=...)`` runs a worker method on every worker and returns their
+  results; we call ``WeightLoaderExtension.elasticrl_load_weights`` (see ``vllm_worker``), which
+  ends in ``model.load_weights(weights=[(name, tensor)])`` as vLLM's
+  ``examples/offline_inference/rlhf_utils.py`` does, and as verl/OpenRLHF's vLLM weight sync does.
+* ``LLM.reset_prefix_cache()``: cached prefixes were computed by the old weights.
+
+Weight transfer: tensors go through ``collective_rpc`` arguments, moved to CPU first because
+vLLM's RPC serialiser only carries CPU tensors (``MsgpackEncoder._encode_tensor`` asserts it) and
+the engine core runs in another process. They are sent in chunks of ``weight_chunk_bytes`` so the
+driver never holds a second copy of the whole model in pinned/serialised form. With tensor
+parallelism every rank receives the full tensor and ``load_weights`` cuts its shard, which is
+correct but ships the model tp times; large TP deployments want the NCCL broadcast path of vLLM's
+``examples/offline_inference/rlhf.py`` (a ``StatelessProcessGroup`` + ``PyNcclCommunicator``
+between trainer rank 0 and the workers) or CUDA IPC handles (``rlhf_colocate.py``), not
+implemented here.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from elasticrl.rollout.engine import (
+    LOGPROBS_MODES,
+    EngineError,
+    EngineStateError,
+    EngineUnavailableError,
+    Group,
+    GroupRequest,
+    Sample,
+    SamplingSpec,
+    WeightUpdateError,
+)
+from elasticrl.rollout.hf_dir import check_model_dir, eos_token_ids, has_tokenizer
+from elasticrl.rollout.vllm_worker import WORKER_EXTENSION
+
+logger = logging.getLogger(__name__)
+
+_VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, CPU tensor) pairs into lists of about ``max_bytes`` (a bigger tensor goes alone)."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(f"update_weights takes (name, tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})")
+        cpu = tensor.detach().to("cpu").contiguous()
+        if chunk and size + cpu.nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, cpu))
+        size += cpu.nbytes
+    if chunk:
+        yield chunk
+
+
+class VLLMEngine:
+    """Rollout engine over ``vllm.LLM`` (CUDA GPUs).
+
+    Args:
+        model_dir: a local HF model directory.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take for weights + KV cache, shared
+            with the trainer on the same GPU (it sleeps while the trainer runs).
+        tensor_parallel_size: GPUs per engine.
+        enable_sleep_mode: needed for ``sleep``/``wake``; costs a custom CUDA allocator.
+        sleep_level: 1 keeps a CPU copy of the weights (``wake`` works); 2 discards them (less CPU
+            RAM; then every ``update_weights`` must push the full state dict and ``wake`` alone
+            raises).
+        dtype: vLLM dtype ("auto", "bfloat16", "float16", "float32").
+        seed: vLLM's global seed (used for requests without their own).
+        max_model_len: context length; None takes the model's.
+        enforce_eager: skip CUDA graphs (faster start, slower decode).
+        logprobs_mode: "processed" or "raw", see ``elasticrl.rollout.engine``.
+        policy_version: version of the weights in ``model_dir``.
+        weight_chunk_bytes: most bytes sent per ``collective_rpc`` in ``update_weights``.
+        llm_kwargs: further ``vllm.LLM`` keyword arguments (override the ones above).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = True,
+        sleep_level: int = 1,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        logprobs_mode: str = "processed",
+        policy_version: int = 0,
+        weight_chunk_bytes: int = 256 << 20,
+        llm_kwargs: dict[str, Any] | None = None,
+    ):
+        try:
+            import vllm
+        except ImportError as exc:
+            raise EngineUnavailableError(
+                "the 'vllm' rollout engine needs the vllm package (pip install vllm; Linux + CUDA only); "
+                "use the 'hf' engine on CPU"
+            ) from exc
+        if not torch.cuda.is_available():
+            raise EngineUnavailableError("the 'vllm' rollout engine needs a CUDA GPU and none is visible; use the 'hf' engine")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level {sleep_level!r} must be 1 (offload weights to CPU) or 2 (discard them)")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization!r} must be in (0, 1]")
+        path = check_model_dir(model_dir)
+        self.model_dir = path
+        self.logprobs_mode = logprobs_mode
+        self.eos_token_ids = eos_token_ids(path)
+        self._has_tokenizer = has_tokenizer(path)
+        kwargs: dict[str, Any] = dict(
+            model=str(path),
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode],
+            worker_extension_cls=WORKER_EXTENSION,
+            # Without tokenizer files vLLM must not try to load one; it then knows no EOS, which is
+            # why generate() always passes the EOS ids as stop_token_ids.
+            skip_tokenizer_init=not self._has_tokenizer,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(llm_kwargs or {})
+        self._llm: Any = vllm.LLM(**kwargs)
+        self._sampling_params_cls = vllm.SamplingParams
+        self._wake_takes_tags = "tags" in inspect.signature(self._llm.wake_up).parameters
+        self._sleep_mode = enable_sleep_mode
+        self._sleep_level = sleep_level
+        self._chunk_bytes = weight_chunk_bytes
+        self._version = int(policy_version)
+        self._sleeping = False
+        self._weights_discarded = False
+        self._closed = False
+        logger.info(
+            "vllm engine: %s, tp=%d, gpu_memory_utilization=%.2f, sleep mode %s (level %d), logprobs %s",
+            path, tensor_parallel_size, gpu_memory_utilization, enable_sleep_mode, sleep_level, logprobs_mode,
+        )
+
+    # ----- RolloutEngine -------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self._llm.get_tokenizer() if self._has_tokenizer and not self._closed else None
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``vllm.LLM`` (for tests and diagnostics)."""
+        self._check_open()
+        return self._llm
+
+    def generate(self, requests: Sequence[GroupRequest]) -> list[Group]:
+        self._check_open()
+        if self._sleeping:
+            raise EngineStateError("vllm engine is asleep; call wake() or update_weights() before generate()")
+        if self._weights_discarded:
+            raise EngineStateError("vllm engine's weights were discarded (level-2 sleep) and not fully reloaded; call update_weights()")
+        requests = list(requests)
+        if not requests:
+            return []
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        params = [self._sampling_params(r.sampling) for r in requests]
+        start = time.perf_counter()
+        outputs = self._llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        if len(outputs) != len(requests):
+            raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts")
+        return [
+            Group(
+                task_id=req.task_id, prompt_ids=list(req.prompt_ids), samples=self._samples(req, out),
+                policy_version=self._version, gen_seconds=seconds,
+            )
+            for req, out in zip(requests, outputs)
+        ]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        self._check_open()
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights: version {version!r} must be an int >= 0")
+        kv_asleep = False
+        if self._sleeping:
+            if self._wake_takes_tags:
+                # Weights first, KV cache after loading: the peak is weights + one chunk, not
+                # weights + KV cache + chunk (what the sleep-mode docs recommend for RLHF).
+                self._llm.wake_up(tags=["weights"])
+                kv_asleep = True
+            else:
+                self._llm.wake_up()
+        self._sleeping = False
+        count = 0
+        try:
+            for chunk in _chunks(named_tensors, self._chunk_bytes):
+                try:
+                    self._llm.collective_rpc("elasticrl_load_weights", args=(chunk,))
+                except Exception as exc:
+                    raise WeightUpdateError(f"update_weights: vLLM rejected a tensor: {exc}") from exc
+                count += len(chunk)
+        finally:
+            if kv_asleep:
+                self._llm.wake_up(tags=["kv_cache"])
+            self._llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys/values
+        self._weights_discarded = False
+        self._version = version
+        logger.info("vllm engine: loaded %d tensors, policy version %d", count, version)
+
+    def sleep(self) -> None:
+        self._check_open()
+        if self._sleeping:
+            return
+        if not self._sleep_mode:
+            raise EngineStateError("vllm engine was built with enable_sleep_mode=False; it cannot sleep")
+        self._llm.sleep(level=self._sleep_level)
+        self._sleeping = True
+        self._weights_discarded = self._sleep_level == 2
+
+    def wake(self) -> None:
+        self._check_open()
+        if not self._sleeping:
+            return
+        if self._weights_discarded:
+            raise EngineStateError(
+                "vllm engine slept at level 2, which discarded its weights; call update_weights() with the "
+                "full state dict instead of wake()"
+            )
+        self._llm.wake_up()
+        self._sleeping = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llm, self._llm = self._llm, None
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(engine_core, "shutdown", None)
+        if callable(shutdown):  # v1: stops the engine-core process and its workers now, not at GC
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                logger.warning("vllm engine: engine core shutdown failed", exc_info=True)
+        del llm, engine_core, shutdown
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- helpers -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineStateError("vllm engine is closed")
+
+    def _sampling_params(self, spec: SamplingSpec) -> Any:
+        stop = set(spec.stop_token_ids)
+        if not spec.ignore_eos:
+            stop |= set(self.eos_token_ids)  # explicit, so it holds even with skip_tokenizer_init
+        return self._sampling_params_cls(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else -1,  # -1 disables top-k in every vLLM version
+            max_tokens=spec.max_new_tokens,
+            seed=spec.seed,
+            stop_token_ids=sorted(stop),
+            ignore_eos=spec.ignore_eos,
+            logprobs=0,  # just the sampled token's logprob
+            detokenize=self._has_tokenizer,
+        )
+
+    def _samples(self, req: GroupRequest, out: Any) -> list[Sample]:
+        samples = []
+        for completion in sorted(out.outputs, key=lambda c: c.index):
+            ids = [int(t) for t in completion.token_ids]
+            if completion.logprobs is None or len(completion.logprobs) != len(ids):
+                raise EngineError(f"vLLM returned no per-token logprobs for task {req.task_id!r}")
+            logprobs = [float(completion.logprobs[i][tok].logprob) for i, tok in enumerate(ids)]
+            reason = completion.finish_reason
+            if reason not in ("stop", "length"):
+                raise EngineError(f"vLLM ended a sample of task {req.task_id!r} with finish_reason {reason!r}")
+            text = completion.text if self._has_tokenizer else None
+            samples.append(Sample(completion_ids=ids, logprobs=logprobs, finish_reason=reason, text=text))
+        return samples

@@ -1,0 +1,235 @@
+"""``VLLMEngine``'s use of the vLLM API, against a fake ``vllm`` module (runs anywhere, no GPU).
+
+The fake stands at the seam (``vllm.LLM`` / ``vllm.SamplingParams``) and records what the engine
+asks of it, so these tests pin down the call sequence the real-GPU test
+(``tests/integration/test_engine_vllm.py``) exercises end to end: which ``LLM`` arguments, which
+``SamplingParams``, how results are read, and the sleep -> wake(weights) -> collective_rpc ->
+wake(kv_cache) order of a weight update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from elasticrl.rollout import (  # noqa: E402
+    EngineStateError,
+    GroupRequest,
+    RolloutEngine,
+    SamplingSpec,
+    WeightUpdateError,
+    make_engine,
+)
+from elasticrl.rollout.vllm_worker import WORKER_EXTENSION, WeightLoaderExtension  # noqa: E402
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    finish_reason: str
+    text: str = ""
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    outputs: list[CompletionOutput]
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class FakeModel:
+    """Stands for vLLM's model: ``load_weights`` copies into a dict of named tensors."""
+
+    def __init__(self):
+        self.params = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.ones(8, 4)}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name not in self.params:
+                raise ValueError(f"There is no module or parameter named {name!r}")
+            assert self.params[name].shape == tensor.shape, "shape mismatch"
+            self.params[name].copy_(tensor)
+        return {name for name, _ in weights}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+class FakeWorker(WeightLoaderExtension):
+    def __init__(self):
+        self.model_runner = types.SimpleNamespace(model=FakeModel())
+        self.device = torch.device("cpu")
+
+
+class FakeLLM:
+    """Records calls; ``wake_up`` takes ``tags`` unless the class says otherwise (old vLLM)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple] = []
+        self.worker = FakeWorker()
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.calls.append(("generate", len(prompts)))
+        self.last_params = sampling_params
+        outs = []
+        for prompt, params in zip(prompts, sampling_params):
+            last = prompt["prompt_token_ids"][-1]
+            completions = []
+            for i in range(params.n):
+                ids = [last + i, 2] if i % 2 == 0 else [last + i] * params.max_tokens
+                completions.append(CompletionOutput(
+                    index=i, token_ids=ids, logprobs=[{t: Logprob(-0.25)} for t in ids],
+                    finish_reason="stop" if i % 2 == 0 else "length", text="x",
+                ))
+            outs.append(RequestOutput(outputs=completions[::-1]))  # engine must sort by index
+        return outs
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("collective_rpc", method, [name for name, _ in args[0]]))
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def get_tokenizer(self):
+        return "tokenizer"
+
+
+class OldFakeLLM(FakeLLM):
+    def wake_up(self):  # vLLM before tags=
+        self.calls.append(("wake_up", None))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tmp_path):
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM
+    module.SamplingParams = SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 5]}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    return module, tmp_path
+
+
+def test_llm_is_built_for_rl(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir, gpu_memory_utilization=0.3, tensor_parallel_size=2, llm_kwargs={"enforce_eager": True})
+    assert isinstance(eng, RolloutEngine)
+    kw = eng.llm.kwargs
+    assert kw["model"] == str(model_dir) and kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.3
+    assert kw["enable_sleep_mode"] is True and kw["worker_extension_cls"] == WORKER_EXTENSION
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["skip_tokenizer_init"] is False
+    assert kw["enforce_eager"] is True  # llm_kwargs override
+    assert eng.eos_token_ids == (2, 5) and eng.tokenizer == "tokenizer"
+
+
+def test_generate_maps_sampling_specs_and_reads_outputs(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir)
+    spec = SamplingSpec(n=3, temperature=0.9, top_p=0.95, max_new_tokens=4, seed=7, stop_token_ids=(9,))
+    groups = eng.generate([GroupRequest(task_id="a", prompt_ids=[1, 10], sampling=spec),
+                           GroupRequest(task_id="b", prompt_ids=[1, 20], sampling=SamplingSpec(ignore_eos=True, top_k=5))])
+    p, q = eng.llm.last_params
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.logprobs) == (3, 0.9, 0.95, -1, 4, 7, 0)
+    assert p.stop_token_ids == [2, 5, 9] and p.ignore_eos is False and p.detokenize is True
+    assert q.stop_token_ids == [] and q.ignore_eos is True and q.top_k == 5
+    a, b = groups
+    assert a.task_id == "a" and [s.completion_ids for s in a.samples] == [[10, 2], [11] * 4, [12, 2]]
+    assert [s.finish_reason for s in a.samples] == ["stop", "length", "stop"]
+    assert a.samples[1].logprobs == [-0.25] * 4 and a.samples[0].text == "x"
+    assert b.task_id == "b" and len(b.samples) == 1
+
+
+def test_update_after_sleep_wakes_weights_then_kv_cache(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir, weight_chunk_bytes=20)
+    llm = eng.llm
+    eng.sleep()
+    assert llm.calls[-1] == ("sleep", 1) and eng.is_sleeping
+    with pytest.raises(EngineStateError, match="asleep"):
+        eng.generate([GroupRequest(task_id="t", prompt_ids=[1])])
+    llm.calls.clear()
+    new = {"model.norm.weight": torch.full((4,), 3.0), "lm_head.weight": torch.full((8, 4), 2.0, dtype=torch.bfloat16)}
+    eng.update_weights(iter(new.items()), version=4)
+    assert llm.calls == [
+        ("wake_up", ["weights"]),
+        ("collective_rpc", "elasticrl_load_weights", ["model.norm.weight"]),  # 16 bytes: its own chunk
+        ("collective_rpc", "elasticrl_load_weights", ["lm_head.weight"]),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
+    assert not eng.is_sleeping and eng.policy_version == 4
+    params = llm.worker.model_runner.model.params
+    assert torch.equal(params["model.norm.weight"], new["model.norm.weight"])
+    assert torch.equal(params["lm_head.weight"], torch.full((8, 4), 2.0))
+    assert llm.worker.elasticrl_weight_checksum() == pytest.approx(3.0 * 4 + 2.0 * 32)
+
+
+def test_update_errors_name_the_tensor_and_keep_the_version(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir)
+    eng.sleep()
+    with pytest.raises(WeightUpdateError, match="model.layers.0.nope.weight"):
+        eng.update_weights([("model.layers.0.nope.weight", torch.zeros(3))], version=1)
+    assert eng.policy_version == 0
+    assert eng.llm.calls[-2:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]  # not left half awake
+
+
+def test_level_two_sleep_needs_new_weights(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir, sleep_level=2)
+    eng.sleep()
+    assert eng.llm.calls[-1] == ("sleep", 2)
+    with pytest.raises(EngineStateError, match="level 2"):
+        eng.wake()
+    eng.update_weights([("model.norm.weight", torch.zeros(4))], version=1)
+    eng.generate([GroupRequest(task_id="t", prompt_ids=[1])])
+
+
+def test_old_vllm_without_wake_tags_and_without_tokenizer(fake_vllm, monkeypatch):
+    module, model_dir = fake_vllm
+    monkeypatch.setattr(module, "LLM", OldFakeLLM)
+    (model_dir / "tokenizer.json").unlink()
+    eng = make_engine("vllm", model_dir=model_dir, logprobs_mode="raw")
+    assert eng.llm.kwargs["skip_tokenizer_init"] is True and eng.llm.kwargs["logprobs_mode"] == "raw_logprobs"
+    assert eng.tokenizer is None
+    eng.sleep()
+    eng.update_weights([("model.norm.weight", torch.zeros(4))], version=2)
+    assert ("wake_up", None) in eng.llm.calls
+    (group,) = eng.generate([GroupRequest(task_id="t", prompt_ids=[1, 3])])
+    assert eng.llm.last_params[0].detokenize is False and group.samples[0].text is None
+    eng.close()
+    with pytest.raises(EngineStateError, match="closed"):
+        eng.generate([])
+
+
+def test_sleep_needs_sleep_mode(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir, enable_sleep_mode=False)
+    with pytest.raises(EngineStateError, match="enable_sleep_mode=False"):
+        eng.sleep()
