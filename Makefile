@@ -13,6 +13,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[dev]"
+	# DeepSpeed's setup imports torch, so it builds against the torch installed above.
+	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.16"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -29,6 +31,8 @@ proto: venv
 bench: venv
 	$(PY) bench/coordinator.py
 	$(PY) bench/rendezvous.py
+	$(PY) bench/scheduler.py
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node=2 bench/collectives.py --op all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

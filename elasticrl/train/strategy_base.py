@@ -1,0 +1,164 @@
+"""Pieces the training strategies share: the rank's device, the bf16 and gradient-checkpointing
+options, transformer-block discovery, global-norm clipping, and optimizer ``state_dict`` copies.
+
+Imported only by the strategy backends (it imports torch); see ``elasticrl.train.strategy``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elasticrl.config import ConfigError
+from elasticrl.train.strategy import StrategyConfig
+
+log = logging.getLogger(__name__)
+
+
+def strategy_device() -> torch.device:
+    """This rank's training device: its GPU under NCCL (``torch.cuda.set_device`` already called),
+    the CPU under any other backend."""
+    assert dist.is_initialized(), "initialize torch.distributed (elasticrl.train.dist.init_process_group) before wrap()"
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_precision(config: StrategyConfig, device: torch.device) -> None:
+    """bf16 is a GPU option: on the CPU it would be slow and is not what the tests compare."""
+    if config.bf16 and device.type != "cuda":
+        raise ConfigError(
+            f"strategy.bf16: true needs a GPU (train.backend=nccl), but this rank trains on {device} "
+            f"(backend {dist.get_backend() if dist.is_initialized() else 'none'}), which runs fp32 only; "
+            "set strategy.bf16=false"
+        )
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The entries of the model's largest ``nn.ModuleList`` (by parameters) whose entries all share
+    one class: the repeated blocks to shard (fsdp2) or checkpoint. ``[]`` if there is none."""
+    best: list[nn.Module] = []
+    best_numel = 0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
+            numel = sum(p.numel() for p in module.parameters())
+            if numel > best_numel:
+                best, best_numel = list(module), numel
+    return best
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """The model's own ``gradient_checkpointing_enable()`` (Hugging Face models), else a
+    non-reentrant checkpoint wrapper around each of ``transformer_blocks(model)``.
+
+    The wrapper's ``_checkpoint_wrapped_module.`` prefix appears in ``named_parameters()`` but not
+    in ``state_dict()`` (torch strips it), so checkpoints keep their names.
+    """
+    if hasattr(model, "gradient_checkpointing_enable"):
+        try:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        except TypeError:  # an older signature without kwargs
+            model.gradient_checkpointing_enable()
+        return
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ConfigError(
+            f"strategy.gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable() and no "
+            "nn.ModuleList of blocks to wrap; set strategy.gradient_checkpointing=false"
+        )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    targets = {id(block) for block in blocks}
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in targets,
+    )
+    log.info("gradient checkpointing: %d %s blocks wrapped", len(blocks), type(blocks[0]).__name__)
+
+
+def prepare_model(model: nn.Module, config: StrategyConfig) -> torch.device:
+    """Checks shared by every strategy, then the model on this rank's device (checkpointed if
+    asked); returns the device."""
+    device = strategy_device()
+    check_precision(config, device)
+    model.to(device)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return device
+
+
+def clip_and_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    """Clip the global gradient norm (0: only measure it), step, zero the gradients; returns the
+    norm before clipping. Works for DTensor (fsdp2) parameters too: the norm is reduced over shards."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if hasattr(norm, "full_tensor"):  # a DTensor: every rank gets the same replicated value
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """Parameters in ``state_dict()`` numbering: group by group, in each group's order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def json_safe(value: Any) -> Any:
+    """A hyper-parameter as JSON can hold it: a tensor (a tensor lr) becomes its number."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def cpu_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of an optimizer ``state_dict`` with every tensor detached on the CPU."""
+    return {
+        "state": {
+            index: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in slots.items()}
+            for index, slots in state["state"].items()
+        },
+        "param_groups": [{k: json_safe(v) if k != "params" else list(v) for k, v in group.items()} for group in state["param_groups"]],
+    }
+
+
+def load_optimizer_copy(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow-enough copy for ``Optimizer.load_state_dict`` (which keeps references to what it is
+    given), with integer parameter indices even if the dict went through JSON."""
+    return {
+        "state": {int(index): dict(slots) for index, slots in state["state"].items()},
+        "param_groups": copy.deepcopy(list(state["param_groups"])),
+    }
+
+
+def check_state_keys(expected: Iterable[str], given: Iterable[str], what: str = "model state") -> None:
+    """``KeyError`` naming the missing and unexpected names, as a strict ``load_state_dict`` would."""
+    expected, given = set(expected), set(given)
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise KeyError(f"{what} does not fit the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                       f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+
+
+def common_step(states: Iterable[Mapping[str, Any]]) -> torch.Tensor | None:
+    """The one ``step`` count shared by every parameter's optimizer state (None if there is no
+    state). Sharded optimizers keep one count per flat partition, so they need it to be common."""
+    steps = {float(s["step"]) for s in states if "step" in s}
+    if not steps:
+        return None
+    if len(steps) != 1:
+        raise ValueError(f"optimizer state has different step counts per parameter {sorted(steps)}; this strategy keeps one count")
+    return torch.tensor(steps.pop(), dtype=torch.float32)

@@ -1,0 +1,91 @@
+"""The default strategy: ``DistributedDataParallel``, every rank holding the full model and
+optimizer state (gloo on CPU, NCCL on GPU with ``device_ids=[local_rank]``).
+
+bf16 is ``torch.autocast`` around the forward (weights, gradients and optimizer state stay fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
+from elasticrl.train.strategy_base import (
+    check_state_keys,
+    clip_and_step,
+    cpu_state_dict,
+    load_optimizer_copy,
+    prepare_model,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DDPStrategy:
+    def __init__(self, config: StrategyConfig):
+        self.config = config
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._model: nn.Module | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._device = torch.device("cpu")
+
+    def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
+        self._device = prepare_model(model, self.config)
+        self._model = model
+        device_ids = [self._device.index] if self._device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self.optimizer = optimizer_factory(model.parameters())
+        log.info("rank %d: ddp on %s, bf16=%s", dist.get_rank(), self._device, self.config.bf16)
+
+    @property
+    def module(self) -> nn.Module:
+        assert self._ddp is not None, "call wrap() first"
+        return self._ddp
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def unwrap(self) -> nn.Module:
+        assert self._model is not None, "call wrap() first"
+        return self._model
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.config.bf16:
+            return torch.autocast(device_type=self._device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.module.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> dict[str, float]:
+        norm = clip_and_step(list(self.unwrap().parameters()), self.optimizer, self.config.grad_clip_norm)
+        return {"grad_norm": norm}
+
+    def full_model_state_dict(self, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        return {name: t.detach().cpu().clone() for name, t in self.unwrap().state_dict().items()}
+
+    def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        model = self.unwrap()
+        check_state_keys(model.state_dict().keys(), state.keys())
+        model.load_state_dict(dict(state))
+
+    def full_optimizer_state_dict(self, *, all_ranks: bool = False) -> dict[str, Any]:
+        return cpu_state_dict(self.optimizer.state_dict())
+
+    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(load_optimizer_copy(state))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()

@@ -1,0 +1,274 @@
+"""DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) or 3 (parameters too) on the
+existing torch.distributed process group; needs the ``[deepspeed]`` extra.
+
+The caller's torch optimizer (AdamW from ``adamw_factory``) becomes ZeRO's base optimizer over
+flat fp32 partitions; ``managed_gradient_accumulation=false`` makes ``step()`` the accumulation
+boundary, so micro-batching works as under DDP: several ``backward`` calls, one ``step``. The
+engine averages gradients over ranks and clips the global norm exactly as DDP + ``clip_grad_norm_``
+do. On CPU DeepSpeed uses its CPU accelerator and gloo; its first use on a machine JIT-compiles
+a small shared-memory all-reduce op (``deepspeed_shm_comm``, about 40 s on two cores, then cached
+under ``~/.cache/torch_extensions``).
+
+Full state goes through DeepSpeed's public fragment API (``safe_get_full_fp32_param``,
+``safe_get/set_full_optimizer_state``), so checkpoints hold full fp32 tensors in torch's
+layout and resume under any strategy or world size. Sharded optimizers keep one ``step`` count
+per flat partition, so a loaded state must have one common step (true for AdamW on a model whose
+every trainable parameter gets a gradient each step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elasticrl.config import ConfigError
+from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
+from elasticrl.train.strategy_base import check_state_keys, common_step, json_safe, optimizer_params, prepare_model
+
+log = logging.getLogger(__name__)
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ConfigError(
+            "strategy.name=deepspeed needs DeepSpeed: pip install 'elasticrl[deepspeed]' (or choose ddp or fsdp2)"
+        ) from exc
+    return deepspeed
+
+
+def merge_config(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it, nested dicts merged key by key."""
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_config(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def deepspeed_config(config: StrategyConfig) -> dict[str, Any]:
+    """The DeepSpeed config elasticrl runs with (``config.deepspeed_config`` merged over it)."""
+    base = {
+        # Bookkeeping only: elasticrl feeds its own batches, DeepSpeed's data loader is unused.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": config.grad_clip_norm,
+        "zero_optimization": {"stage": config.zero_stage},
+        # A plain torch optimizer is fine under ZeRO, and on CPU it must not be swapped for
+        # DeepSpeedCPUAdam (a compiled op).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": config.bf16},
+        "wall_clock_breakdown": False,
+    }
+    return merge_config(base, config.deepspeed_config)
+
+
+class DeepSpeedStrategy:
+    def __init__(self, config: StrategyConfig):
+        self.config = config
+        self.engine = None  # deepspeed.DeepSpeedEngine after wrap()
+        self._device = torch.device("cpu")
+        self._params: list[nn.Parameter] = []  # state_dict() numbering of the optimizer
+        self._group_sizes: list[int] = []
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
+        deepspeed = _import_deepspeed()
+        from deepspeed.accelerator import get_accelerator
+
+        self._device = prepare_model(model, self.config)
+        accelerator = get_accelerator().device_name()
+        if accelerator != self._device.type:
+            raise ConfigError(
+                f"strategy.name=deepspeed: DeepSpeed chose its {accelerator!r} accelerator but this rank trains on "
+                f"{self._device.type} (backend {dist.get_backend()}); set DS_ACCELERATOR={self._device.type}"
+            )
+        optimizer = optimizer_factory(model.parameters())
+        # ZeRO converts these Parameter objects in place (flat views, or ZeRO-3 partitions), so
+        # they stay the handles for the fragment API.
+        self._params = optimizer_params(optimizer)
+        self._group_sizes = [len(g["params"]) for g in optimizer.param_groups]
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(self.config), dist_init_required=False
+        )
+        log.info("rank %d: deepspeed ZeRO-%d on %s, bf16=%s", dist.get_rank(), self.config.zero_stage, self._device, self.config.bf16)
+
+    @property
+    def module(self) -> nn.Module:
+        assert self.engine is not None, "call wrap() first"
+        return self.engine
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def unwrap(self) -> nn.Module:
+        return self.module.module
+
+    # -- training ----------------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # bf16: the engine holds bf16 weights itself
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        # ZeRO-2/3 reduce-scatter each gradient as backward produces it (that is how they shard
+        # it) and accumulate the shards, so there is nothing to defer: sums still come out right.
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> dict[str, float]:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float("nan") if norm is None else float(norm)}
+
+    # -- full state --------------------------------------------------------------------------
+
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        # keep_vars: the Parameter objects themselves (ZeRO-3 ones are empty placeholders), under
+        # state_dict names (tied weights appear under each name, checkpoint wrappers' prefixes not).
+        return self.unwrap().state_dict(keep_vars=True)
+
+    def full_model_state_dict(self, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full: dict[int, torch.Tensor] = {}
+        for param in self._module_params():
+            value = safe_get_full_fp32_param(param) if param.requires_grad else None  # all-reduce/all-gather
+            if value is None:  # frozen: not in ZeRO's partitions
+                value = self._gather_frozen(param)
+            full[id(param)] = value.detach().float().cpu().clone()
+        return {
+            name: full[id(t)] if id(t) in full else t.detach().cpu().clone() for name, t in self._named_tensors().items()
+        }
+
+    def _module_params(self) -> list[nn.Parameter]:
+        """Every distinct parameter in ``named_parameters`` order: the same on every rank."""
+        return list(self.unwrap().parameters())
+
+    def _gather_frozen(self, param: nn.Parameter) -> torch.Tensor:
+        if hasattr(param, "ds_id"):
+            from deepspeed.runtime.zero import GatheredParameters
+
+            with GatheredParameters([param]):
+                return param.detach().clone()
+        return param.detach()
+
+    def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+        from deepspeed.runtime.zero import GatheredParameters
+
+        named = self._named_tensors()
+        check_state_keys(named.keys(), state.keys())
+        by_id = {id(t): (t, state[name]) for name, t in named.items()}  # tied weights: one entry
+        params = [(t, v) for t, v in by_id.values() if isinstance(t, nn.Parameter)]
+        buffers = [(t, v) for t, v in by_id.values() if not isinstance(t, nn.Parameter)]
+        # The working (possibly bf16) weights: ZeRO-3 gathers them, rank 0's copy is scattered back.
+        gathered = GatheredParameters([t for t, _ in params], modifier_rank=0) if self.config.zero_stage == 3 else contextlib.nullcontext()
+        with torch.no_grad(), gathered:
+            for tensor, value in params + buffers:
+                tensor.data.copy_(value.to(tensor.device))
+        # ...and ZeRO's fp32 master partitions, which the optimizer steps.
+        for tensor, value in params:
+            if tensor.requires_grad:
+                safe_set_full_fp32_param(tensor, value.to(device=self._device, dtype=torch.float32))
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer.optimizer  # the torch optimizer over flat fp32 partitions
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 partitions, the tensors the base optimizer's state is keyed by.
+        (ZeRO-3 puts them into the base optimizer's param_groups only while it steps.)"""
+        zero = self.engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+            flats = getattr(zero, attr, None)
+            if flats is not None:
+                return list(flats)
+        raise NotImplementedError(f"{type(zero).__name__}: no flat fp32 partitions found (this DeepSpeed version is not supported)")
+
+    def _hyper_params(self) -> list[dict[str, Any]]:
+        base_groups = self._base_optimizer().param_groups
+        assert len(base_groups) == len(self._group_sizes), f"ZeRO has {len(base_groups)} param groups, the optimizer had {len(self._group_sizes)}"
+        return [{k: json_safe(v) for k, v in g.items() if k != "params"} for g in base_groups]
+
+    def full_optimizer_state_dict(self, *, all_ranks: bool = False) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = self._base_optimizer()
+        live = [base.state[flat] for flat in self._flat_partitions() if base.state.get(flat)]
+        state: dict[int, dict[str, Any]] = {}
+        if live:  # no state before the first step, as with a torch optimizer
+            step = common_step(live)
+            keys = [k for k, v in live[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            for index, param in enumerate(self._params):
+                if not param.requires_grad:
+                    continue
+                slots: dict[str, Any] = {} if step is None else {"step": step.clone()}
+                for key in keys:
+                    slots[key] = safe_get_full_optimizer_state(param, key).detach().float().cpu().clone()  # collective
+                state[index] = slots
+        groups, start = [], 0
+        for size, hyper in zip(self._group_sizes, self._hyper_params()):
+            groups.append({**hyper, "params": list(range(start, start + size))})
+            start += size
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        saved = {int(i): slots for i, slots in state["state"].items()}
+        groups = list(state["param_groups"])
+        if [len(g["params"]) for g in groups] != self._group_sizes:
+            raise ValueError(
+                f"optimizer state has groups of {[len(g['params']) for g in groups]} parameters, this optimizer {self._group_sizes}"
+            )
+        base = self._base_optimizer()
+        for base_group, saved_group in zip(base.param_groups, groups):
+            for key, value in saved_group.items():
+                if key != "params" and key in base_group:
+                    base_group[key] = tuple(value) if isinstance(value, list) else value
+        if not saved:
+            return
+        step = common_step(saved.values())
+        first = next(iter(saved.values()))
+        keys = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        # Before the first step the base optimizer has no state for its flat partitions: make it,
+        # so that the fragments below have somewhere to land.
+        for flat in self._flat_partitions():
+            slots = base.state[flat]
+            for key in keys:
+                if key not in slots:
+                    slots[key] = torch.zeros_like(flat)
+            if step is not None:
+                slots["step"] = step.clone()
+        zero = self.engine.optimizer
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: link fragments to the state
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()
+        for index, param in enumerate(self._params):
+            if not param.requires_grad:
+                continue
+            if index not in saved:
+                raise KeyError(f"optimizer state has no entry for parameter {index} of {len(self._params)}")
+            for key in keys:
+                value = saved[index][key].to(device=self._device, dtype=torch.float32)
+                safe_set_full_optimizer_state(param, value, key)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+        if self.engine is not None and hasattr(self.engine, "destroy"):
+            self.engine.destroy()
