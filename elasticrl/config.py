@@ -137,16 +137,37 @@ class PolicyConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
-    """How completions are sampled from the local policy."""
+    """How completions are sampled, and how the coordinator's scheduler hands out the groups."""
 
     temperature: float = 1.0
     """Sampling temperature; 1.0 samples from the policy itself (what the loss assumes)."""
     max_new_tokens: int = 0
     """Longest completion, tokens; 0 means the task's own limit."""
+    policy: str = "dynamic"
+    """Scheduler policy: dynamic (engines pull; fast nodes take more) or static (fixed shares by weight)."""
+    slots: int = 16
+    """Tasks (GRPO groups) each node's engine runs at once: its credits with the scheduler."""
+    deadline_s: float = 0.0
+    """Seal an iteration this long after submitting it once min_fraction of its groups are done; 0: wait for all."""
+    min_fraction: float = 1.0
+    """With deadline_s: the fraction of groups an iteration needs before it may seal, in (0, 1]."""
+    task_lease_s: float = 120.0
+    """A task not finished this long after its assignment is handed to another engine, seconds."""
+    backup_tasks: int = 0
+    """Dynamic policy: backup copies of the last straggling tasks that idle engines may run."""
+    seal_timeout_s: float = 600.0
+    """How long the trainer waits for an iteration to seal before failing, seconds."""
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, f"rollout.temperature: {self.temperature} must be > 0 (use 1.0)")
         _check(self.max_new_tokens >= 0, f"rollout.max_new_tokens: {self.max_new_tokens} must be >= 0 (0: task default)")
+        _check(self.policy in ("dynamic", "static"), f"rollout.policy: {self.policy!r} must be dynamic or static")
+        _check(1 <= self.slots <= 4096, f"rollout.slots: {self.slots} must be in 1..4096")
+        _check(self.deadline_s >= 0, f"rollout.deadline_s: {self.deadline_s} must be >= 0 (0: no deadline)")
+        _check(0 < self.min_fraction <= 1, f"rollout.min_fraction: {self.min_fraction} must be in (0, 1]")
+        _check(self.task_lease_s >= 0.001, f"rollout.task_lease_s: {self.task_lease_s} must be > 0 seconds")
+        _check(self.backup_tasks >= 0, f"rollout.backup_tasks: {self.backup_tasks} must be >= 0")
+        _check(self.seal_timeout_s > 0, f"rollout.seal_timeout_s: {self.seal_timeout_s} must be > 0 seconds")
 
 
 LOSSES = ("grpo_clip", "reinforce")

@@ -87,9 +87,12 @@ class SchedulerClient(CoordinatorClient):
             if manifest["sealed"]:
                 return manifest
             if time.monotonic() >= give_up:
-                raise CoordinatorTimeoutError(
-                    f"iteration {iteration} of run {run_id!r} did not seal within {timeout_s:.1f}s: "
+                progress = (
                     f"{manifest['tasks_done']}/{manifest['tasks_total']} done, {manifest['tasks_running']} running"
+                    if manifest["tasks_total"] else "it was never submitted"
+                )
+                raise CoordinatorTimeoutError(
+                    f"iteration {iteration} of run {run_id!r} did not seal within {timeout_s:.1f}s: {progress}"
                 )
 
     def fetch_shard(

@@ -464,15 +464,17 @@ class SchedulerCore:
             event.set()
         self._dispatch(it.run_id)
 
-    async def wait_sealed(self, run_id: str, iteration: int, wait_s: float) -> Iteration:
-        it = self.iteration(run_id, iteration)
-        if not it.sealed and wait_s > 0:
+    async def wait_sealed(self, run_id: str, iteration: int, wait_s: float) -> Iteration | None:
+        """The iteration once sealed, or as it stands after ``wait_s``; None if it has not even
+        been submitted yet (trainer ranks may ask before the driver submits)."""
+        it = self.iterations.get(run_id, {}).get(iteration)
+        if (it is None or not it.sealed) and wait_s > 0:
             event = self._seal_events.setdefault((run_id, iteration), asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-        return it
+        return self.iterations.get(run_id, {}).get(iteration)
 
     # -- reading results -----------------------------------------------------------------------
 

@@ -90,6 +90,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         run_id = v.ident("run_id", request.run_id)
         wait_s = v.duration_ms("wait_ms", request.wait_ms, high=60_000)
         it = await self.core.wait_sealed(run_id, request.iteration, wait_s)
+        if it is None:  # not submitted yet: an empty, open manifest
+            return spb.WaitSealedResponse(manifest=spb.IterationManifest(run_id=run_id, iteration=request.iteration))
         return spb.WaitSealedResponse(manifest=manifest_to_pb(self.core.manifest(it)))
 
     @guarded

@@ -3,7 +3,9 @@ trajectories back.
 
 ``RolloutWorker`` joins the run as a member (its lease renewed by a keep-alive task), opens the
 stream with ``slots`` credits, runs each assigned task through a blocking ``generate`` callable
-in a thread pool of ``slots`` threads, and sends finished groups in batches: a batch goes out
+in a thread pool of ``slots`` threads (or, with ``generate_batch``, the tasks of each assignment
+message in one call, as a batching engine wants them), and sends finished groups in batches: a
+batch goes out
 when it reaches ``batch_bytes`` or ``linger_s`` after its first group, whichever comes first.
 
 Nothing is lost on a broken stream: every batch stays in ``unacked`` until the coordinator acks
@@ -55,6 +57,10 @@ Generate = Callable[[Assignment], GroupRecord]
 """Runs one task (blocking, in a worker thread) and returns its group. ``task_id`` must match;
 ``gen_seconds`` is measured for it when left 0."""
 
+GenerateBatch = Callable[[list[Assignment]], list[GroupRecord]]
+"""Runs the tasks of one assignment message together (an engine that batches prompts), returning
+their groups in the same order."""
+
 
 @dataclasses.dataclass
 class WorkerStats:
@@ -74,8 +80,9 @@ class RolloutWorker:
         address: str,
         run_id: str,
         member_id: str,
-        generate: Generate,
+        generate: Generate | None,
         *,
+        generate_batch: GenerateBatch | None = None,
         slots: int = 1,
         weight: float = 1.0,
         token: str | None = None,
@@ -94,7 +101,10 @@ class RolloutWorker:
         self.address = address
         self.run_id = run_id
         self.member_id = member_id
+        if (generate is None) == (generate_batch is None):
+            raise ValueError("pass exactly one of generate (one task per call) and generate_batch")
         self.generate = generate
+        self.generate_batch = generate_batch
         self.slots = slots
         self.weight = weight
         self.lease_ttl_s = lease_ttl_s
@@ -257,8 +267,7 @@ class RolloutWorker:
             async for resp in call:
                 kind = resp.WhichOneof("kind")
                 if kind == "assign":
-                    for a in resp.assign.tasks:
-                        self._start(executor, a)
+                    self._start(executor, list(resp.assign.tasks))
                 elif kind == "cancel":
                     for task_id in resp.cancel.task_ids:
                         a = self._running.pop((resp.cancel.iteration, task_id), None)
@@ -289,44 +298,56 @@ class RolloutWorker:
 
     # -- tasks and results ---------------------------------------------------------------------
 
-    def _start(self, executor, a: spb.TaskAssignment) -> None:
-        spec = task_from_pb("assign.task", a.task)
-        if self._stopping:
-            self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=a.iteration, task_ids=[spec.task_id], reason="worker stopping")))
-            return
-        assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
-        key = (a.iteration, spec.task_id)
-        self._running[key] = assignment
-        task = asyncio.create_task(self._run_task(executor, key, assignment))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _start(self, executor, messages: list[spb.TaskAssignment]) -> None:
+        items = []
+        for a in messages:
+            spec = task_from_pb("assign.task", a.task)
+            if self._stopping:
+                self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=a.iteration, task_ids=[spec.task_id], reason="worker stopping")))
+                continue
+            assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
+            self._running[(a.iteration, spec.task_id)] = assignment
+            items.append(assignment)
+        batches = [items] if self.generate_batch is not None else [[a] for a in items]
+        for batch in batches:
+            if batch:
+                task = asyncio.create_task(self._run_tasks(executor, batch))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
-    async def _run_task(self, executor, key: tuple[int, str], a: Assignment) -> None:
+    async def _run_tasks(self, executor, batch: list[Assignment]) -> None:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
-            group = await loop.run_in_executor(executor, self.generate, a)
-        except Exception as exc:  # noqa: BLE001 - an engine failure gives the task back, it does not kill the worker
-            log.exception("worker %s: task %s of iteration %d failed", self.member_id, a.task.task_id, a.iteration)
-            self.stats.failed += 1
-            if self._running.pop(key, None) is not None:
-                self._send(spb.WorkRequest(release=spb.ReleaseTasks(
-                    iteration=a.iteration, task_ids=[a.task.task_id], reason=f"engine error: {type(exc).__name__}: {exc}"[:1000],
-                )))
+            if self.generate_batch is not None:
+                groups = await loop.run_in_executor(executor, self.generate_batch, batch)
+                if len(groups) != len(batch):
+                    raise AssertionError(f"generate_batch returned {len(groups)} groups for {len(batch)} tasks")
+            else:
+                groups = [await loop.run_in_executor(executor, self.generate, batch[0])]
+        except Exception as exc:  # noqa: BLE001 - an engine failure gives the tasks back, it does not kill the worker
+            log.exception("worker %s: %d task(s) failed", self.member_id, len(batch))
+            self.stats.failed += len(batch)
+            for a in batch:
+                if self._running.pop((a.iteration, a.task.task_id), None) is not None:
+                    self._send(spb.WorkRequest(release=spb.ReleaseTasks(
+                        iteration=a.iteration, task_ids=[a.task.task_id], reason=f"engine error: {type(exc).__name__}: {exc}"[:1000],
+                    )))
             return
-        if self._running.pop(key, None) is None or a.cancelled.is_set():
-            return  # cancelled meanwhile: another copy won, or the iteration sealed
-        if group.task_id != a.task.task_id:
-            raise AssertionError(f"generate returned task {group.task_id!r} for {a.task.task_id!r}")
-        if not group.gen_seconds:
-            group.gen_seconds = time.perf_counter() - started
-        self.stats.completed += 1
-        message = result_to_pb(a.iteration, group)
-        self._pending.append(message)
-        self._pending_bytes += group.num_bytes
+        elapsed = (time.perf_counter() - started) / len(batch)
+        for a, group in zip(batch, groups):
+            if self._running.pop((a.iteration, a.task.task_id), None) is None or a.cancelled.is_set():
+                continue  # cancelled meanwhile: another copy won, or the iteration sealed
+            if group.task_id != a.task.task_id:
+                raise AssertionError(f"generate returned task {group.task_id!r} for {a.task.task_id!r}")
+            if not group.gen_seconds:
+                group.gen_seconds = elapsed
+            self.stats.completed += 1
+            self._pending.append(result_to_pb(a.iteration, group))
+            self._pending_bytes += group.num_bytes
         if self._pending_bytes >= self.batch_bytes:
             self._flush()
-        elif self._flush_timer is None:
+        elif self._pending and self._flush_timer is None:
             self._flush_timer = loop.call_later(self.linger_s, self._flush)
 
     def _flush(self) -> None:

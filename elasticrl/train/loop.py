@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 
 import torch
@@ -25,14 +26,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
-from elasticrl.coordinator.client import CoordinatorClient, Membership, resolve_token
+from elasticrl.coordinator.client import Membership, resolve_token
 from elasticrl.errors import ElasticRLError
 from elasticrl.policy.tiny import TinyCausalLM, token_logprobs
 from elasticrl.policy.vocab import CharVocab
 from elasticrl.rl.advantages import group_advantages
 from elasticrl.rl.loss import policy_loss
-from elasticrl.rl.rollout import RolloutBatch, sample_groups
+from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.tasks import make_task
+from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.dist import (
     WorldInfo,
@@ -43,6 +45,7 @@ from elasticrl.train.dist import (
     init_process_group,
 )
 from elasticrl.train.logcontext import WorkerLogContext, node_name
+from elasticrl.train.rollout_link import NodeRolloutWorker, batch_from_groups, iteration_tasks
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,10 @@ class NodeTrainer:
                 f"task.prompts_per_iteration: {config.task.prompts_per_iteration} is fewer than the "
                 f"{world.world_size} ranks; raise it to at least {world.world_size}"
             )
-        self.client: CoordinatorClient | None = None
+        self.client: SchedulerClient | None = None
         self.membership: Membership | None = None
+        self.rollout: NodeRolloutWorker | None = None
+        self.model_lock = threading.Lock()
         self.generation = 0
         self.last_checkpoint = ""
         self.device = torch.device("cpu")
@@ -93,7 +98,7 @@ class NodeTrainer:
             torch.cuda.set_device(world.local_rank)
             self.device = torch.device("cuda", world.local_rank)
         init_process_group(cfg.train.backend, world, timeout_s=cfg.run.barrier_timeout_s + 60)
-        self.client = CoordinatorClient(
+        self.client = SchedulerClient(
             cfg.run.coordinator,
             token=resolve_token(None, cfg.run.token_file or None),
             tls_ca=cfg.run.tls_ca or None,
@@ -122,11 +127,23 @@ class NodeTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         start = self._resume() if cfg.checkpoint.resume else 0
         self.ddp = DistributedDataParallel(self.model, device_ids=[world.local_rank] if self.device.type == "cuda" else None)
+        self.rollout = NodeRolloutWorker(
+            self.model, self.vocab, self.task, self.model_lock,
+            address=cfg.run.coordinator, run_id=self.rollout_run, member_id=f"{self.logctx.node}-{world.local_rank}",
+            slots=cfg.rollout.slots, token=resolve_token(None, cfg.run.token_file or None), tls_ca=cfg.run.tls_ca or None,
+            call_timeout_s=cfg.run.call_timeout_s, reconnect_timeout_s=cfg.run.reconnect_timeout_s,
+        )
+        self.rollout.policy_version = start
         if world.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             write_json(cfg, os.path.join(self.run_dir, "config.json"))
             log.info("policy: %d parameters; task %s; run dir %s", self.model.num_parameters(), self.task.name, self.run_dir)
         return start + 1
+
+    @property
+    def rollout_run(self) -> str:
+        """The scheduler's run: every node's rollout engine is a member of it."""
+        return f"{self.cfg.run.run_id}.rollout"
 
     def _resume(self) -> int:
         """Load the newest checkpoint any rank holds (broadcast from the lowest such rank); returns its iteration."""
@@ -153,24 +170,38 @@ class NodeTrainer:
 
     # -- one iteration -----------------------------------------------------------------------
 
-    def _barrier(self, iteration: int) -> None:
-        result = self.membership.arrive(f"g{self.generation}/iter-{iteration}/start", timeout_s=self.cfg.run.barrier_timeout_s)
+    def _barrier(self, iteration: int, phase: str) -> None:
+        result = self.membership.arrive(f"g{self.generation}/iter-{iteration}/{phase}", timeout_s=self.cfg.run.barrier_timeout_s)
         current = {member_id(r) for r in range(self.world.world_size)}
         lost = sorted(current & set(result.evicted))
         if lost:
-            raise WorldChangedError(f"iteration {iteration}: {', '.join(lost)} evicted ({result.reason}); re-forming")
+            raise WorldChangedError(f"iteration {iteration} ({phase}): {', '.join(lost)} evicted ({result.reason}); re-forming")
 
-    def _rollout(self, iteration: int) -> RolloutBatch:
-        """This rank's share of the iteration's prompts, ``group_size`` samples each, scored."""
-        cfg, world = self.cfg, self.world
+    def _submit(self, iteration: int) -> None:
+        """Rank 0: the iteration's prompts as scheduler tasks. A restarted group submits the same
+        tasks again, which is a no-op (and an iteration that already sealed is reused)."""
+        cfg = self.cfg
         # Prompts depend only on (seed, iteration): every world size trains on the same data.
         examples = self.task.sample(random.Random(f"{cfg.run.seed}/{iteration}"), cfg.task.prompts_per_iteration)
-        gen = torch.Generator(device=self.device).manual_seed(cfg.run.seed * 1_000_003 + iteration * 1_009 + world.rank)
-        return sample_groups(
-            self.model, self.vocab, self.task, examples[world.rank :: world.world_size],
-            group_size=cfg.task.group_size, max_new_tokens=self.max_new_tokens,
-            temperature=cfg.rollout.temperature, generator=gen,
+        tasks = iteration_tasks(
+            examples, self.vocab, iteration=iteration, seed=cfg.run.seed, group_size=cfg.task.group_size,
+            max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
         )
+        r = cfg.rollout
+        self.client.submit_iteration(
+            self.rollout_run, iteration, tasks, policy=r.policy, deadline_s=r.deadline_s,
+            min_fraction=r.min_fraction, task_lease_s=r.task_lease_s, backup_tasks=r.backup_tasks,
+        )
+
+    def _rollout(self, iteration: int) -> dict:
+        """Wait for the iteration to seal (every node's engine works on it meanwhile), then fetch
+        this rank's shard of it."""
+        self.rollout.check()
+        return self.client.wait_sealed(self.rollout_run, iteration, timeout_s=self.cfg.rollout.seal_timeout_s)
+
+    def _fetch(self, iteration: int) -> RolloutBatch:
+        groups = self.client.fetch_shard(self.rollout_run, iteration, rank=self.world.rank, world_size=self.world.world_size)
+        return batch_from_groups(groups, self.vocab, self.device)
 
     def _update(self, batch: RolloutBatch, num_tokens: float) -> tuple[float, float]:
         """``updates_per_iteration`` DDP steps on ``batch``; returns this rank's summed loss and
@@ -179,11 +210,17 @@ class NodeTrainer:
         advantages = group_advantages(batch.rewards, cfg.task.group_size)
         loss_sum = clip_sum = 0.0
         for _ in range(cfg.train.updates_per_iteration):
-            logprobs = token_logprobs(self.ddp, batch.tokens, batch.valid)
-            loss, stats = policy_loss(
-                logprobs, batch.old_logprobs, advantages, batch.completion_mask,
-                num_tokens=num_tokens, kind=cfg.train.loss, clip_eps=cfg.train.clip_eps,
-            )
+            if batch.tokens.shape[0] == 0:
+                # No groups for this rank (an iteration sealed short): it still joins DDP's
+                # gradient all-reduce, with a zero loss that touches every parameter.
+                loss = sum(p.sum() for p in self.ddp.parameters()) * 0.0
+                stats = {"clip_fraction": 0.0}
+            else:
+                logprobs = token_logprobs(self.ddp, batch.tokens, batch.valid)
+                loss, stats = policy_loss(
+                    logprobs, batch.old_logprobs, advantages, batch.completion_mask,
+                    num_tokens=num_tokens, kind=cfg.train.loss, clip_eps=cfg.train.clip_eps,
+                )
             self.optimizer.zero_grad(set_to_none=True)
             # DDP averages gradients over ranks; each rank's loss is its share of a global token mean.
             (loss * self.world.world_size).backward()
@@ -195,15 +232,44 @@ class NodeTrainer:
         return loss_sum, clip_sum
 
     def _iteration(self, iteration: int) -> dict:
-        t0 = time.monotonic()
-        self._barrier(iteration)
-        batch = self._rollout(iteration)
+        """barrier -> submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push.
+
+        Every phase is timed on this rank (``t_*`` seconds); the second barrier is where a trainer
+        node that died during the rollout is noticed, before any collective could hang on it.
+        """
+        t: dict[str, float] = {}
+        start = mark = time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            t[name] = t.get(name, 0.0) + now - mark
+            mark = now
+
+        self._barrier(iteration, "start")
+        lap("t_barrier")
+        if self.world.rank == 0:
+            self._submit(iteration)
+        lap("t_submit")
+        manifest = self._rollout(iteration)
+        lap("t_rollout")
+        self._barrier(iteration, "update")
+        lap("t_barrier")
+        batch = self._fetch(iteration)
+        lap("t_fetch")
         tokens, reward_sum, exact, samples = all_reduce_sum(
             [float(batch.completion_mask.sum()), float(batch.rewards.sum()), float((batch.rewards == 1).sum()), len(batch.rewards)]
         )
-        loss_sum, clip_sum = all_reduce_sum(list(self._update(batch, tokens)))
+        if samples == 0:
+            raise RuntimeError(f"iteration {iteration} sealed with no groups ({manifest['seal_reason']})")
+        with self.model_lock:
+            loss_sum, clip_sum = all_reduce_sum(list(self._update(batch, max(tokens, 1.0))))
+            lap("t_update")
+            # The engine samples from this very module: the push is the new version number.
+            self.rollout.policy_version = iteration
+        lap("t_push")
         updates = self.cfg.train.updates_per_iteration
-        return {
+        metrics = {
             "iteration": iteration,
             "reward_mean": reward_sum / samples,
             "exact_fraction": exact / samples,
@@ -211,9 +277,18 @@ class NodeTrainer:
             "clip_fraction": clip_sum / updates,
             "world_size": self.world.world_size,
             "generation": self.generation,
-            "seconds": time.monotonic() - t0,
-            "example": f"{batch.examples[0].prompt}{batch.completions[0]}",
+            "groups": manifest["tasks_done"],
+            "groups_total": manifest["tasks_total"],
+            "requeued": manifest["requeued"],
+            "refused": manifest["refused_duplicate"] + manifest["refused_fenced"] + manifest["refused_sealed"],
+            "rollout_nodes": {n["node"]: n["done"] for n in manifest["nodes"]},
+            "evicted": manifest["evicted"],
+            "seal_s": manifest["elapsed_s"],
+            "seconds": time.monotonic() - start,
+            "example": f"{batch.examples[0].prompt}{batch.completions[0]}" if batch.examples else "",
         }
+        metrics.update(t)
+        return metrics
 
     def _save(self, iteration: int, metrics: dict) -> None:
         cfg, world = self.cfg, self.world
@@ -260,8 +335,10 @@ class NodeTrainer:
                 self.logctx.iteration = iteration
                 metrics = self._iteration(iteration)
                 if iteration == self.cfg.run.iterations or (every and iteration % every == 0):
+                    t0 = time.monotonic()
                     self._save(iteration, metrics)
                     metrics["checkpoint"] = self.last_checkpoint
+                    metrics["t_checkpoint"] = time.monotonic() - t0
                 self._report(metrics)
             if self.world.rank == 0 and self.last_checkpoint:
                 log.info("finished %d iterations; last checkpoint %s", self.cfg.run.iterations, self.last_checkpoint)
@@ -269,6 +346,9 @@ class NodeTrainer:
             self.close()
 
     def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.stop()
+            self.rollout = None
         if self.membership is not None:
             try:
                 self.membership.leave("worker exited")
