@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="SIGKILL the last node (agent and worker) once iteration ITER is reported, to watch the "
         "others re-form and resume from the newest checkpoint; 0 never (default: %(default)s)",
     )
+    p.add_argument(
+        "--kill-phase", choices=["boundary", "rollout", "update"], default="boundary",
+        help="when --kill-at strikes: after iteration ITER is reported (boundary), while ITER's rollout "
+        "is under way (rollout), or right after ITER seals, during its policy update (update) (default: %(default)s)",
+    )
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="extra --section.key=value overrides for every node, after --")
     return p
 
@@ -212,6 +217,8 @@ class Demo:
     echo: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
+    scheduler: object = None
+    """SchedulerClient, opened when --kill-phase needs to watch an iteration."""
 
     @property
     def logs(self) -> str:
@@ -258,6 +265,29 @@ class Demo:
         with self.echo:
             print(text, flush=True)
 
+    def _kill_moment(self) -> str | None:
+        """Why now is the moment --kill-at/--kill-phase asked for, or None if it is not yet."""
+        a = self.args
+        if a.kill_phase == "boundary":
+            if self.reported and self.reported[-1] >= a.kill_at:
+                return f"after iteration {self.reported[-1]}"
+            return None
+        if self.scheduler is None:
+            from elasticrl.scheduler.client import SchedulerClient
+
+            self.scheduler = SchedulerClient(self.env["ELASTICRL_COORDINATOR"], call_timeout_s=5)
+        try:
+            m = self.scheduler.iteration_status(f"{self.run_id}.rollout", a.kill_at)
+        except Exception:  # noqa: BLE001 - the coordinator may be busy; look again next time
+            return None
+        if m is None:
+            return None
+        if a.kill_phase == "rollout" and not m["sealed"] and 0 < m["tasks_done"] < m["tasks_total"]:
+            return f"during the rollout of iteration {a.kill_at} ({m['tasks_done']}/{m['tasks_total']} groups done)"
+        if a.kill_phase == "update" and m["sealed"]:
+            return f"right after iteration {a.kill_at} sealed, during its update"
+        return None
+
     def watch(self, coordinator: Child, nodes: list[Child], deadline: float) -> None:
         """Wait for every node to exit; kill one at --kill-at; raise RuntimeError on a timeout or a
         dead coordinator."""
@@ -265,18 +295,20 @@ class Demo:
         while any(n.proc.poll() is None for n in nodes):
             for n in nodes:
                 n.remember_descendants()
-            if victim is not None and self.reported and self.reported[-1] >= self.args.kill_at:
+            when = self._kill_moment() if victim is not None else None
+            if when is not None:
                 self.say(
-                    f"  -- killing {victim.name} (SIGKILL, agent and worker) after iteration {self.reported[-1]}; "
+                    f"  -- killing {victim.name} (SIGKILL, agent and worker) {when}; "
                     "the others should re-form without it and resume from the newest checkpoint"
                 )
                 victim.kill()
                 victim = None
+                continue
             if time.monotonic() > deadline:
                 raise RuntimeError(f"gave up after {self.args.timeout:.0f}s (--timeout)")
             if coordinator.proc.poll() is not None:
                 raise RuntimeError(f"the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log_path}")
-            time.sleep(0.5)
+            time.sleep(0.5 if victim is None or self.args.kill_phase == "boundary" else 0.01)
         for reader in self.readers:  # print every last line before the summary
             reader.join(timeout=5)
 

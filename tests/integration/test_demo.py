@@ -140,3 +140,37 @@ def test_losing_a_node_mid_run_finishes_on_the_survivor(tmp_path):
     assert by_iteration[1]["world_size"] == 2 and by_iteration[10]["world_size"] == 1
     assert "world size 2 -> 1" in result.stdout
     load_policy(out / "checkpoints" / "iter-000010", out / "config.json")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("phase", ["rollout", "update"])
+def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path, phase):
+    """SIGKILL one of 3 nodes while iteration 4 rolls out (its groups must still all be done, by
+    the survivors) or right after it seals (during the update): the survivors re-form, resume
+    from the newest checkpoint and finish; the last checkpoint loads back."""
+    global DEMO_TIMEOUT_S
+    out = tmp_path / "run"
+    saved, DEMO_TIMEOUT_S = DEMO_TIMEOUT_S, 170
+    try:
+        result = run_demo(
+            out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "2", "--kill-at", "4",
+            "--kill-phase", phase, "--", "--rollout.slots=2", "--task.prompts_per_iteration=24",
+        )
+    finally:
+        DEMO_TIMEOUT_S = saved
+    assert result.returncode == 0, result.stdout
+    moment = "during the rollout of iteration 4" if phase == "rollout" else "right after iteration 4 sealed"
+    assert f"killing node-2 (SIGKILL, agent and worker) {moment}" in result.stdout, result.stdout
+    assert "resumed from iteration" in result.stdout, result.stdout
+    by_iteration = {r["iteration"]: r for r in metrics(out)}
+    assert sorted(by_iteration) == list(range(1, 7))
+    assert by_iteration[1]["world_size"] == 3 and by_iteration[6]["world_size"] == 2
+    # Iteration 4 sealed with every group, the survivors finishing what the dead node held.
+    (manifest_path,) = (out / "coordinator" / "trajectories").glob("*.rollout/00000004/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["sealed"] and manifest["tasks_done"] == manifest["tasks_total"] == 24, manifest
+    assert {n["node"] for n in manifest["nodes"]} >= {"node-0-0", "node-1-0"}
+    if phase == "rollout":
+        assert "node-2-0" in {n["node"] for n in manifest["nodes"]}, manifest
+    load_policy(out / "checkpoints" / "iter-000006", out / "config.json")
