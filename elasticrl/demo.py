@@ -417,6 +417,11 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
     print(f"  exact match  {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples")
     print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
     print(f"  metrics      {os.path.join(run_dir, 'metrics.jsonl')}")
+    from elasticrl.plot import plot_rewards
+
+    png = os.path.join(run_dir, "reward.png")
+    problem = plot_rewards(os.path.join(run_dir, "metrics.jsonl"), png)
+    print(f"  plot         {png}" if problem is None else f"  plot         not drawn: {problem}")
     return 0
 
 

@@ -222,7 +222,13 @@ class SchedulerCore:
             if not it.sealed and member.member_id in it.nodes and evicted and member.member_id not in it.evicted:
                 it.evicted.append(member.member_id)
                 it.node(member.member_id).evicted = True
+            # Static policy: a gone member's unstarted share goes to the shared queue, in order
+            # (only that member would ever take it). A mere disconnect keeps it: it may reconnect.
+            share = it.shares.pop(member.member_id, None)
+            if share and not it.sealed:
+                it.queue.extend(share)
         if conn is None or conn.worker.incarnation != member.incarnation:
+            self._dispatch(run_id)
             return
         conn.worker.fenced = True
         n = self._requeue_holdings(conn, f"{member.status.value}: {member.reason}")
@@ -242,6 +248,7 @@ class SchedulerCore:
             it = self.iterations.get(conn.run_id, {}).get(iteration)
             if it is None or it.sealed:
                 continue
+            task_ids.sort(key=lambda tid: it.tasks[tid].seq)
             with self.db.tx():
                 for task_id in reversed(task_ids):  # appendleft: keep their order at the front
                     n += self._requeue(it, it.tasks[task_id], conn.worker.member_id, why)
@@ -275,14 +282,14 @@ class SchedulerCore:
                     if not it.sealed and task_id in it.tasks:
                         self._requeue(it, it.tasks[task_id], conn.worker.member_id, f"released: {reason}")
             self.db.put_counters(it)
-        self._dispatch(conn.run_id)
+        self._dispatch(conn.run_id, skip=conn)  # not straight back to the worker giving them up
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _dispatch(self, run_id: str) -> None:
+    def _dispatch(self, run_id: str, *, skip: WorkerConn | None = None) -> None:
         """Hand queued tasks to workers with free slots, one task per worker per pass, so equal
         workers start with equal work."""
-        conns = [c for c in self.conns.get(run_id, {}).values() if not c.closed and c.worker.free > 0]
+        conns = [c for c in self.conns.get(run_id, {}).values() if c is not skip and not c.closed and c.worker.free > 0]
         open_its = policy.oldest_open(list(self.iterations.get(run_id, {}).values()))
         if not conns or not open_its:
             return

@@ -24,6 +24,8 @@ def static_shares(task_ids: list[str], weights: dict[str, float]) -> dict[str, l
     if not members:
         return {}
     total = sum(weights[m] for m in members)
+    if total <= 0:
+        raise ValueError(f"weights: {weights} must have a positive sum")
     n = len(task_ids)
     exact = [n * weights[m] / total for m in members]
     counts = [math.floor(x) for x in exact]
@@ -57,7 +59,9 @@ def pick_tasks(it: Iteration, worker: Worker, free: int) -> list[tuple[str, bool
             if len(picked) >= free:
                 return picked
             task = it.tasks[task_id]
-            if task.status is TaskStatus.QUEUED and worker.member_id not in task.holders:
+            # Still in ``holding``: its task lease expired, but the worker still runs that copy.
+            if (task.status is TaskStatus.QUEUED and worker.member_id not in task.holders
+                    and (it.iteration, task_id) not in worker.holding):
                 picked.append((task_id, False))
     budget = it.config.backup_tasks - it.counters.backups_issued
     if it.config.policy is Policy.DYNAMIC and budget > 0 and len(picked) < free and not _queued_left(it, picked):

@@ -83,6 +83,7 @@ class NodeTrainer:
         self.client: SchedulerClient | None = None
         self.membership: Membership | None = None
         self.rollout: NodeRolloutWorker | None = None
+        self._table_started = False
         self.model_lock = threading.Lock()
         self.generation = 0
         self.last_checkpoint = ""
@@ -310,14 +311,21 @@ class NodeTrainer:
         log.info("saved checkpoint %s", self.last_checkpoint)
 
     def _report(self, metrics: dict) -> None:
-        """Rank 0: one progress line on stdout and one JSON line in metrics.jsonl."""
+        """Rank 0: one row of the progress table on stdout and one JSON line in metrics.jsonl."""
         if self.world.rank != 0:
             return
-        n = self.cfg.run.iterations
+        n, i = self.cfg.run.iterations, metrics["iteration"]
+        if not self._table_started:
+            self._table_started = True
+            print(f"{'progress':<22} {'iter':>7}  {'reward':>6}  {'exact':>5}  {'loss':>8}  {'world':>5}  "
+                  f"{'time':>6}  {'rollout':>7}  {'update':>6}  {'coord':>6}  example", flush=True)
+        filled = round(20 * i / n)
+        coord = metrics["t_barrier"] + metrics["t_submit"] + metrics["t_fetch"]
         print(
-            f"iter {metrics['iteration']:>3}/{n} | reward {metrics['reward_mean']:.3f} | exact {metrics['exact_fraction']:.2f}"
-            f" | loss {metrics['loss']:+.4f} | world {metrics['world_size']} | {metrics['seconds']:.2f}s"
-            f" | {metrics['example']}",
+            f"[{'#' * filled}{'-' * (20 - filled)}] {i:>3}/{n:<3}  {metrics['reward_mean']:>6.3f}  "
+            f"{metrics['exact_fraction']:>5.2f}  {metrics['loss']:>+8.4f}  {metrics['world_size']:>5}  "
+            f"{metrics['seconds']:>5.2f}s  {metrics['t_rollout']:>6.2f}s  {metrics['t_update']:>5.2f}s  "
+            f"{coord:>5.3f}s  {metrics['example']}",
             flush=True,
         )
         with open(os.path.join(self.run_dir, METRICS_FILE), "a") as f:

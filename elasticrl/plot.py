@@ -1,0 +1,63 @@
+"""A PNG of reward per iteration from a run's metrics.jsonl (matplotlib, optional).
+
+    python -m elasticrl.plot runs/<run>/metrics.jsonl [OUT.png]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def plot_rewards(metrics_path: str, png_path: str) -> str | None:
+    """Write the plot; returns None, or why it could not (matplotlib missing, no records)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib, or pip install -e '.[demo]')"
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        return f"{metrics_path} has no records"
+    by_iteration = {r["iteration"]: r for r in records}  # a redone iteration: its last record wins
+    its = sorted(by_iteration)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(its, [by_iteration[i]["reward_mean"] for i in its], marker="o", ms=3, label="mean reward")
+    ax.plot(its, [by_iteration[i]["exact_fraction"] for i in its], ls="--", label="exact-match fraction")
+    worlds = [by_iteration[i]["world_size"] for i in its]
+    for k in range(1, len(its)):
+        if worlds[k] != worlds[k - 1]:
+            ax.axvline(its[k] - 0.5, color="grey", lw=0.8)
+            ax.annotate(f"world {worlds[k - 1]} -> {worlds[k]}", (its[k] - 0.5, 0.02), fontsize=8, color="grey")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    out = args[1] if len(args) == 2 else os.path.join(os.path.dirname(args[0]), "reward.png")
+    problem = plot_rewards(args[0], out)
+    if problem:
+        print(f"elasticrl.plot: {problem}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

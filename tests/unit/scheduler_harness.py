@@ -1,0 +1,103 @@
+"""A real CoordinatorCore + SchedulerCore pair on an injected clock, with workers as plain
+``WorkerConn`` objects whose outboxes the test reads. No event loop, no sleeps."""
+
+from __future__ import annotations
+
+import pathlib
+
+from elasticrl.coordinator.core import CoordinatorCore
+from elasticrl.coordinator.persist import StateDB
+from elasticrl.scheduler.core import Assign, Cancel, SchedulerCore, WorkerConn
+from elasticrl.scheduler.state import GroupRecord, SampleRecord, Split, TaskSpec
+from elasticrl.scheduler.store import TrajectoryStore
+
+RUN = "r"
+
+
+class Clock:
+    """Monotonic seconds (``now``) plus a wall clock that moves with it."""
+
+    def __init__(self, now: float = 1000.0, wall_offset: float = 1.7e9) -> None:
+        self.now = now
+        self.wall_offset = wall_offset
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now + self.wall_offset
+
+
+class Harness:
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        lease_ttl_s: float = 30.0,
+        state_dir: pathlib.Path | None = None,
+    ) -> None:
+        self.clock = clock or Clock()
+        db = StateDB(None if state_dir is None else state_dir / "state.db")
+        self.coord = CoordinatorCore(db, lease_ttl_s=lease_ttl_s, clock=self.clock)
+        self.store = TrajectoryStore(None if state_dir is None else state_dir / "trajectories")
+        self.sched = SchedulerCore(self.coord, self.store, wall_clock=self.clock.wall)
+        self.incarnations: dict[str, int] = {}
+
+    def join(self, member_id: str) -> int:
+        member, _ = self.coord.join(RUN, member_id)
+        self.incarnations[member_id] = member.incarnation
+        return member.incarnation
+
+    def worker(self, member_id: str, *, slots: int = 1, weight: float = 1.0) -> WorkerConn:
+        """Join (if not a member yet) and open a stream."""
+        if member_id not in self.incarnations:
+            self.join(member_id)
+        return self.sched.connect(RUN, member_id, self.incarnations[member_id], slots=slots, weight=weight)
+
+    def advance(self, seconds: float, *, alive: tuple[str, ...] = (), step: float = 5.0) -> None:
+        """Move the clock in ``step``s, renewing ``alive`` members' leases, ticking both cores."""
+        left = seconds
+        while left > 1e-9:
+            d = min(step, left)
+            self.clock.now += d
+            left -= d
+            for m in alive:
+                self.coord.keep_alive(RUN, m, self.incarnations[m])
+            self.coord.tick()
+            self.sched.tick()
+
+    def it(self, iteration: int = 1):
+        return self.sched.iteration(RUN, iteration)
+
+
+def spec(i: int, *, split: Split = Split.TRAIN) -> TaskSpec:
+    return TaskSpec(task_id=f"t{i:02d}", prompt_ids=[100 + i, 7, 8], num_samples=2, split=split)
+
+
+def specs(n: int) -> list[TaskSpec]:
+    return [spec(i) for i in range(n)]
+
+
+def group(task_id: str, tokens: int = 3, *, seed: int = 0) -> GroupRecord:
+    """Two samples of ``tokens`` tokens each whose ids depend on the task (to check bytes later)."""
+    base = int(task_id.lstrip("t") or 0) * 1000 + seed
+    samples = [
+        SampleRecord.pack([base + j * 100 + k for k in range(tokens)], [-0.25 * k for k in range(tokens)], reward=float(j))
+        for j in range(2)
+    ]
+    return GroupRecord(task_id=task_id, node="", policy_version=3, gen_seconds=1.5, reward_seconds=0.25, samples=samples)
+
+
+def drain(conn: WorkerConn) -> list:
+    out = []
+    while not conn.outbox.empty():
+        out.append(conn.outbox.get_nowait())
+    return out
+
+
+def assigned(messages: list) -> list[str]:
+    return [spec.task_id for m in messages if isinstance(m, Assign) for _, spec, _, _ in m.items]
+
+
+def cancelled(messages: list) -> list[str]:
+    return [tid for m in messages if isinstance(m, Cancel) for tid in m.task_ids]

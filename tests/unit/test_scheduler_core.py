@@ -1,0 +1,592 @@
+"""SchedulerCore on a real CoordinatorCore with an injected clock: dispatch, exactly-once results,
+fencing, requeues on eviction / disconnect / task lease / release, static shares, backup copies,
+sealing, shards, and a simulated restart on the same files. Milliseconds, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, NotReadyError, RunClosedError
+from elasticrl.scheduler.core import FENCED_STREAM_GRACE_S, End
+from elasticrl.scheduler.state import IterationConfig, Policy, Split, TaskSpec, TaskStatus
+from elasticrl.scheduler.store import MANIFEST
+
+from tests.unit.scheduler_harness import RUN, Clock, Harness, assigned, cancelled, drain, group, spec, specs
+
+
+def ids(*numbers: int) -> list[str]:
+    return [f"t{i:02d}" for i in numbers]
+
+
+def accept(h: Harness, conn, *task_ids: str, iteration: int = 1, tokens: int = 3, seed: int = 0):
+    return h.sched.accept(conn, [(iteration, group(tid, tokens, seed=seed)) for tid in task_ids])
+
+
+# -- submit and dispatch ---------------------------------------------------------------------------
+
+
+def test_dispatch_one_task_per_worker_per_pass_within_slots():
+    h = Harness()
+    a = h.worker("a", slots=2)
+    b = h.worker("b", slots=1)
+    assert h.sched.submit(RUN, 1, specs(5), IterationConfig(task_lease_s=30.0)) is True
+    ma, mb = drain(a), drain(b)
+    assert len(ma) == 1 and len(mb) == 1  # one Assign per worker per dispatch
+    assert assigned(ma) == ids(0, 2) and assigned(mb) == ids(1)
+    assert [(i, lease, backup) for i, _, lease, backup in ma[0].items] == [(1, 30.0, False), (1, 30.0, False)]
+    it = h.it()
+    assert list(it.queue) == ids(3, 4)
+    assert a.worker.free == 0 and b.worker.free == 0
+    assert it.tasks["t00"].holders["a"].deadline == h.clock.now + 30.0
+    m = h.sched.manifest(it)
+    assert (m["tasks_running"], m["tasks_queued"], m["tasks_done"]) == (3, 2, 0)
+    assert {n["node"]: n["assigned"] for n in m["nodes"]} == {"a": 2, "b": 1}
+
+
+def test_worker_connecting_later_takes_queued_tasks_in_order():
+    h = Harness()
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    a = h.worker("a", slots=2)
+    assert assigned(drain(a)) == ids(0, 1)
+    assert list(h.it().queue) == ids(2)
+
+
+def test_older_iteration_is_served_first():
+    h = Harness()
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    h.clock.now += 1
+    h.sched.submit(RUN, 2, specs(2), IterationConfig())
+    a = h.worker("a", slots=3)
+    [msg] = drain(a)
+    assert [(i, s.task_id) for i, s, _, _ in msg.items] == [(1, "t00"), (1, "t01"), (2, "t00")]
+
+
+def test_connect_needs_a_live_member_with_that_incarnation():
+    h = Harness()
+    with pytest.raises(NotFoundError):
+        h.sched.connect(RUN, "ghost", 1, slots=1, weight=1.0)
+    old = h.join("a")
+    h.join("a")  # restarted: the old incarnation is replaced
+    with pytest.raises(FencedError):
+        h.sched.connect(RUN, "a", old, slots=1, weight=1.0)
+
+
+def test_resubmit_same_tasks_is_a_no_op_other_tasks_are_refused():
+    h = Harness()
+    a = h.worker("a")
+    assert h.sched.submit(RUN, 1, specs(3), IterationConfig()) is True
+    assert assigned(drain(a)) == ids(0)
+    assert h.sched.submit(RUN, 1, specs(3), IterationConfig()) is False
+    assert drain(a) == [] and list(h.it().queue) == ids(1, 2)
+    with pytest.raises(InvalidRequestError, match="already submitted"):
+        h.sched.submit(RUN, 1, specs(4), IterationConfig())
+    with pytest.raises(InvalidRequestError):
+        h.sched.submit(RUN, 1, [spec(2), spec(1), spec(0)], IterationConfig())
+    h.coord.close_run(RUN, "finished")
+    with pytest.raises(RunClosedError):
+        h.sched.submit(RUN, 2, specs(1), IterationConfig())
+
+
+# -- results: exactly once ---------------------------------------------------------------------------
+
+
+def test_result_is_accepted_once_and_a_second_copy_is_refused_as_duplicate():
+    h = Harness()
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    drain(a)
+    ack, err = accept(h, a, "t00", tokens=4)
+    assert err is None and ack.accepted == 1 and ack.refused == []
+    it = h.it()
+    assert it.tasks["t00"].status is TaskStatus.DONE and it.tasks["t00"].done_by == "a"
+    assert it.groups["t00"].node == "a" and it.groups["t00"].samples[0].token_ids() == [0, 1, 2, 3]
+    assert assigned(drain(a)) == ids(1)  # the freed slot is refilled at once
+    ack, err = accept(h, a, "t00", seed=50)
+    assert err is None and ack.accepted == 0 and ack.refused == [(1, "t00", "duplicate")]
+    assert it.groups["t00"].samples[0].token_ids() == [0, 1, 2, 3]  # the first result stays
+    assert it.counters.refused_duplicate == 1
+    assert (it.nodes["a"].done, it.nodes["a"].refused, it.nodes["a"].tokens) == (1, 1, 8)
+    assert a.worker.free == 0  # the duplicate did not free t01's slot
+
+
+def test_two_copies_in_one_batch_store_only_the_first():
+    h = Harness()
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    ack, _ = h.sched.accept(a, [(1, group("t00", 2)), (1, group("t00", 2, seed=7))])
+    assert ack.accepted == 1 and ack.refused == [(1, "t00", "duplicate")]
+    assert h.it().groups["t00"].samples[0].token_ids() == [0, 1]
+    assert h.it().counters.refused_duplicate == 1
+
+
+def test_unknown_task_or_iteration_is_refused():
+    h = Harness()
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(1), IterationConfig())
+    ack, err = h.sched.accept(a, [(1, group("t99")), (7, group("t00"))])
+    assert err is None and ack.accepted == 0
+    assert ack.refused == [(1, "t99", "unknown"), (7, "t00", "unknown")]
+    it = h.it()
+    assert it.tasks["t00"].status is TaskStatus.RUNNING and it.groups == {}
+
+
+def test_results_of_a_replaced_incarnation_are_refused_as_fenced_and_counted():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    assert assigned(drain(a)) == ids(0) and assigned(drain(b)) == ids(1)
+    h.join("a")  # a restarted and joined again: its old stream is fenced
+    # a fenced stream gets no new work (whether it is told to cancel is the core's choice)
+    assert assigned(drain(a)) == [] and a.worker.fenced and a.worker.free == 0
+    it = h.it()
+    assert it.tasks["t00"].status is TaskStatus.QUEUED and list(it.queue) == ids(0)
+    ack, err = accept(h, a, "t00")
+    assert isinstance(err, FencedError)
+    assert ack.accepted == 0 and ack.refused == [(1, "t00", "fenced")]
+    assert it.counters.refused_fenced == 1 and it.nodes["a"].refused == 1
+    assert it.tasks["t00"].status is TaskStatus.QUEUED and "t00" not in it.groups
+    a2 = h.worker("a")  # the new incarnation's stream takes the task
+    assert isinstance(drain(a)[-1], End)
+    assert assigned(drain(a2)) == ids(0)
+    assert accept(h, a2, "t00")[0].accepted == 1
+
+
+def test_fenced_stream_ends_after_the_grace_period():
+    h = Harness(lease_ttl_s=30.0)
+    a = h.worker("a")
+    h.worker("b")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    drain(a)
+    h.advance(30.0, alive=("b",))  # a's lease lapses at +30
+    assert a.worker.fenced and a.fenced_at == h.clock.now
+    assert not any(isinstance(m, End) for m in drain(a))
+    h.advance(FENCED_STREAM_GRACE_S - 5.0, alive=("b",))
+    assert drain(a) == []
+    h.advance(5.0, alive=("b",))
+    [end] = drain(a)
+    assert isinstance(end, End) and isinstance(end.error, FencedError)
+    h.advance(10.0, alive=("b",))
+    assert drain(a) == []  # ended once
+
+
+# -- requeues ----------------------------------------------------------------------------------------
+
+
+def test_eviction_requeues_running_tasks_at_the_front_for_the_survivor():
+    h = Harness(lease_ttl_s=30.0)
+    a = h.worker("a", slots=2)
+    b = h.worker("b", slots=1)
+    h.sched.submit(RUN, 1, specs(6), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 2) and assigned(drain(b)) == ids(1)
+    h.advance(30.0, alive=("b",))
+    assert h.coord.runs[RUN].members["a"].status.value == "evicted"
+    assert assigned(drain(a)) == [] and a.worker.holding == set()
+    it = h.it()
+    assert list(it.queue) == ids(0, 2, 3, 4, 5)
+    assert it.counters.requeued == 2 and it.tasks["t00"].requeues == 1
+    assert it.evicted == ["a"] and it.nodes["a"].evicted
+    assert h.sched.manifest(it)["evicted"] == ["a"]
+    order, tid = [], "t01"
+    for _ in range(6):  # b runs one task at a time: each result brings the next
+        accept(h, b, tid)
+        nxt = assigned(drain(b))
+        if not nxt:
+            break
+        order += nxt
+        tid = nxt[0]
+    assert order == ids(0, 2, 3, 4, 5)
+    assert it.sealed and all(t.done_by == "b" for t in it.tasks.values())
+    assert accept(h, a, "t00")[0].refused == [(1, "t00", "fenced")]
+
+
+def test_requeued_holdings_keep_submission_order():
+    h = Harness()
+    a = h.worker("a", slots=12)
+    h.sched.submit(RUN, 1, [TaskSpec(task_id=f"t{i}", prompt_ids=[1]) for i in range(12)], IterationConfig())
+    h.sched.disconnect(a, "stream broke")
+    assert list(h.it().queue) == [f"t{i}" for i in range(12)]  # got t0, t1, t10, t11, t2, ...
+
+
+def test_stream_disconnect_requeues_at_the_front_and_member_can_reconnect():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    drain(a), drain(b)
+    h.sched.disconnect(a, "stream broke")
+    it = h.it()
+    assert a.closed and drain(a) == []
+    assert list(it.queue) == ids(0, 2) and it.counters.requeued == 1
+    assert not it.nodes["a"].evicted and it.evicted == []  # a is still a live member
+    accept(h, b, "t01")
+    assert assigned(drain(b)) == ids(0)
+    a2 = h.worker("a")
+    assert assigned(drain(a2)) == ids(2)
+
+
+def test_reconnect_of_the_same_incarnation_keeps_its_tasks():
+    h = Harness()
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    drain(a)
+    a2 = h.worker("a")
+    [end] = drain(a)
+    assert isinstance(end, End) and isinstance(end.error, FencedError) and a.closed
+    assert a2.worker.holding == {(1, "t00")} and drain(a2) == []
+    h.sched.disconnect(a, "old stream finally closed")  # a replaced stream requeues nothing
+    it = h.it()
+    assert it.counters.requeued == 0 and it.tasks["t00"].status is TaskStatus.RUNNING
+    assert accept(h, a2, "t00")[0].accepted == 1
+
+
+@pytest.mark.parametrize("winner", ["first_holder", "second_holder"])
+def test_task_lease_expiry_requeues_and_the_first_finisher_wins(winner):
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(1), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0) and drain(b) == []
+    h.advance(9.0, step=3.0)
+    assert drain(b) == [] and h.it().counters.requeued == 0
+    h.advance(1.0)
+    it = h.it()
+    assert assigned(drain(b)) == ids(0)
+    assert it.counters.requeued == 1 and it.tasks["t00"].requeues == 1
+    assert set(it.tasks["t00"].holders) == {"b"}
+    assert a.worker.free == 0  # a presumably still works on it: it keeps its slot
+    first, second = (a, b) if winner == "first_holder" else (b, a)
+    assert accept(h, first, "t00")[0].accepted == 1
+    assert cancelled(drain(second)) == ids(0) and second.worker.free == 1
+    assert accept(h, second, "t00")[0].refused == [(1, "t00", "duplicate")]
+    assert it.sealed and it.tasks["t00"].done_by == first.worker.member_id
+
+
+def test_task_lease_expiry_does_not_hand_the_task_back_to_its_holder():
+    h = Harness()
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(1), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0)
+    h.advance(10.0)
+    # a second copy on the same worker gains nothing, and `holding` (a set) counts both copies as
+    # one slot, so the worker runs more copies than its slots
+    assert drain(a) == []
+
+
+def test_release_requeues_at_the_front():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    drain(a), drain(b)
+    h.sched.release(b, 1, ["t01", "t02"], "engine error")  # t02 is not b's: ignored
+    it = h.it()
+    assert it.counters.requeued == 1 and it.tasks["t01"].requeues == 1
+    assert it.tasks["t02"].requeues == 0 and it.tasks["t02"].status is TaskStatus.QUEUED
+    handed = assigned(drain(b))
+    accept(h, a, "t00")
+    handed += assigned(drain(a)) + assigned(drain(b))
+    assert handed == ids(1, 2)  # the released task went to the front, ahead of t02
+    assert list(it.queue) == []
+    with pytest.raises(NotFoundError):
+        h.sched.release(b, 9, ["t00"], "x")
+
+
+def test_released_task_goes_to_another_free_worker():
+    h = Harness()
+    a = h.worker("a", slots=1)
+    b = h.worker("b", slots=2)
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    drain(a), drain(b)
+    h.sched.release(a, 1, ["t00"], "worker stopping")
+    assert assigned(drain(b)) == ids(0) and drain(a) == []
+
+
+# -- static shares -------------------------------------------------------------------------------------
+
+
+def test_static_policy_splits_by_weight_and_shares_only_requeued_tasks():
+    h = Harness()
+    a = h.worker("a", weight=2.0)
+    b = h.worker("b", weight=1.0)
+    c = h.worker("c", weight=1.0)
+    h.sched.submit(RUN, 1, specs(10), IterationConfig(policy=Policy.STATIC))
+    assert assigned(drain(a)) == ids(0) and assigned(drain(b)) == ids(5) and assigned(drain(c)) == ids(8)
+    it = h.it()
+    assert {m: list(s) for m, s in it.shares.items()} == {"a": ids(1, 2, 3, 4), "b": ids(6, 7), "c": ids(9)}
+    assert list(it.queue) == []
+    accept(h, c, "t08")
+    assert assigned(drain(c)) == ids(9)
+    accept(h, c, "t09")
+    assert drain(c) == [] and c.worker.free == 1  # static: c never takes a's or b's share
+    h.sched.disconnect(a, "stream broke")  # a's running task goes to the shared queue
+    assert assigned(drain(c)) == ids(0)
+    assert list(it.shares["a"]) == ids(1, 2, 3, 4)
+
+
+def test_static_policy_without_workers_falls_back_to_a_shared_queue():
+    h = Harness()
+    h.sched.submit(RUN, 1, specs(3), IterationConfig(policy=Policy.STATIC))
+    assert h.it().shares == {} and list(h.it().queue) == ids(0, 1, 2)
+    a = h.worker("a", slots=3)
+    assert assigned(drain(a)) == ids(0, 1, 2)
+
+
+def test_static_share_of_an_evicted_worker_is_not_lost():
+    h = Harness(lease_ttl_s=30.0)
+    a = h.worker("a")
+    h.worker("b")
+    h.sched.submit(RUN, 1, specs(4), IterationConfig(policy=Policy.STATIC))  # a: t00 t01, b: t02 t03
+    h.advance(30.0, alive=("a",))  # b dies; its running t02 is requeued, t03 was never started
+    got = assigned(drain(a))
+    for _ in range(4):
+        accept(h, a, got[-1])
+        nxt = assigned(drain(a))
+        if not nxt:
+            break
+        got += nxt
+    assert got == ids(0, 1, 2, 3) and h.it().sealed  # t03 stays in b's share for ever
+
+
+# -- backup copies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("winner", ["backup", "original"])
+def test_backup_copy_for_the_straggler_and_the_loser_is_cancelled(winner):
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig(backup_tasks=1))
+    assert assigned(drain(a)) == ids(0) and assigned(drain(b)) == ids(1)
+    h.clock.now += 5.0
+    accept(h, b, "t01")  # queue empty: b's free slot gets a backup of a's straggler
+    [msg] = drain(b)
+    assert [(s.task_id, backup) for _, s, _, backup in msg.items] == [("t00", True)]
+    it = h.it()
+    assert it.counters.backups_issued == 1
+    assert set(it.tasks["t00"].holders) == {"a", "b"} and it.tasks["t00"].holders["b"].backup
+    c = h.worker("c")
+    assert drain(c) == []  # budget spent
+    first, second = (b, a) if winner == "backup" else (a, b)
+    assert accept(h, first, "t00")[0].accepted == 1
+    assert cancelled(drain(second)) == ids(0)
+    assert it.sealed and it.seal_reason == "all 2 tasks done"
+    assert accept(h, second, "t00")[0].refused == [(1, "t00", "duplicate")]
+    assert h.sched.manifest(it)["backups_issued"] == 1
+
+
+def test_no_backup_without_budget():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    drain(a), drain(b)
+    accept(h, b, "t01")
+    assert drain(b) == [] and h.it().counters.backups_issued == 0
+
+
+# -- sealing -----------------------------------------------------------------------------------------
+
+
+def test_deadline_seal_with_min_fraction_drops_the_rest_and_cancels_holders():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(4), IterationConfig(deadline_s=10.0, min_fraction=0.5))
+    drain(a), drain(b)
+    accept(h, a, "t00")
+    assert assigned(drain(a)) == ids(2)
+    accept(h, a, "t02")
+    assert assigned(drain(a)) == ids(3)
+    it = h.it()
+    h.advance(9.5)
+    assert not it.sealed
+    h.advance(0.5)
+    assert it.sealed and it.seal_reason.startswith("deadline passed with 2/4")
+    assert cancelled(drain(a)) == ids(3) and cancelled(drain(b)) == ids(1)
+    assert a.worker.free == 1 and b.worker.free == 1
+    assert [it.tasks[t].status for t in ids(0, 1, 2, 3)] == [
+        TaskStatus.DONE, TaskStatus.DROPPED, TaskStatus.DONE, TaskStatus.DROPPED,
+    ]
+    assert list(it.queue) == [] and it.shares == {}
+    ack, err = accept(h, b, "t01")
+    assert err is None and ack.refused == [(1, "t01", "sealed")]
+    assert accept(h, a, "t00")[0].refused == [(1, "t00", "duplicate")]
+    assert (it.counters.refused_sealed, it.counters.refused_duplicate) == (1, 1)
+    assert "t01" not in it.groups
+    m = h.sched.manifest(it)
+    assert (m["sealed"], m["tasks_done"], m["tasks_total"], m["refused_sealed"]) == (True, 2, 4, 1)
+    assert m["elapsed_s"] == pytest.approx(10.0)
+
+
+def test_deadline_passed_below_min_fraction_seals_on_the_result_that_reaches_it():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(4), IterationConfig(deadline_s=10.0, min_fraction=0.75))
+    drain(a), drain(b)
+    accept(h, a, "t00")
+    h.advance(10.0)
+    it = h.it()
+    assert not it.sealed
+    accept(h, a, "t02")
+    assert not it.sealed and assigned(drain(a)) == ids(2, 3)
+    accept(h, b, "t01")  # 3 of 4: seals at once, no tick needed
+    assert it.sealed and "3/4" in it.seal_reason
+    assert cancelled(drain(a)) == ids(3) and it.tasks["t03"].status is TaskStatus.DROPPED
+
+
+def test_wait_sealed_wakes_on_the_seal():
+    h = Harness()
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(1), IterationConfig())
+
+    async def scenario():
+        early = await h.sched.wait_sealed(RUN, 1, 0.01)
+        assert early is h.it() and not early.sealed
+        waiter = asyncio.create_task(h.sched.wait_sealed(RUN, 1, 30.0))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        accept(h, a, "t00")
+        it = await asyncio.wait_for(waiter, 2.0)
+        again = await asyncio.wait_for(h.sched.wait_sealed(RUN, 1, 30.0), 2.0)
+        return it, again
+
+    it, again = asyncio.run(scenario())
+    assert it.sealed and again is it
+
+
+def test_wait_sealed_before_the_iteration_is_submitted():
+    h = Harness()
+    a = h.worker("a")
+
+    async def scenario():
+        assert await h.sched.wait_sealed(RUN, 2, 0.01) is None  # a trainer asking before the driver submits
+        waiter = asyncio.create_task(h.sched.wait_sealed(RUN, 2, 30.0))
+        await asyncio.sleep(0)
+        h.sched.submit(RUN, 2, specs(1), IterationConfig())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        accept(h, a, "t00", iteration=2)
+        return await asyncio.wait_for(waiter, 2.0)
+
+    it = asyncio.run(scenario())
+    assert it is not None and it.iteration == 2 and it.sealed
+
+
+# -- shards --------------------------------------------------------------------------------------------
+
+
+def test_shard_refuses_before_seal_then_balances_every_done_group_once():
+    h = Harness()
+    a = h.worker("a", slots=9)
+    tasks = specs(7) + [spec(7, split=Split.EVAL), spec(8, split=Split.EVAL)]
+    h.sched.submit(RUN, 1, tasks, IterationConfig(deadline_s=10.0, min_fraction=0.5))
+    for tid, tokens in zip(ids(0, 1, 2, 3, 4), (10, 7, 5, 5, 3)):
+        accept(h, a, tid, tokens=tokens)
+    accept(h, a, "t07", "t08")
+    with pytest.raises(NotReadyError, match="not sealed"):
+        h.sched.shard(RUN, 1, 0, 2, Split.TRAIN)
+    h.advance(10.0)
+    assert h.it().sealed  # t05, t06 dropped
+    plan = [h.sched.shard(RUN, 1, rank, 2, Split.TRAIN) for rank in range(2)]
+    # groups hold 2 samples: 20, 14, 10, 10, 6 tokens -> LPT gives 30 / 30
+    assert [[g.task_id for g, _ in part] for part in plan] == [ids(0, 3), ids(1, 2, 4)]
+    for part in plan:
+        for g, task in part:
+            assert g.task_id == task.spec.task_id and g.node == "a"
+            assert g.samples[1].token_ids() == group(g.task_id, g.samples[1].num_tokens).samples[1].token_ids()
+    assert [g.task_id for g, _ in h.sched.shard(RUN, 1, 0, 1, Split.EVAL)] == ids(7, 8)
+    assert [[g.task_id for g, _ in h.sched.shard(RUN, 1, r, 4, Split.EVAL)] for r in range(4)] == [ids(7), ids(8), [], []]
+    for rank, world in ((2, 2), (-1, 2)):
+        with pytest.raises(InvalidRequestError, match="rank"):
+            h.sched.shard(RUN, 1, rank, world, Split.TRAIN)
+    with pytest.raises(NotFoundError):
+        h.sched.shard(RUN, 5, 0, 1, Split.TRAIN)
+
+
+# -- persistence ----------------------------------------------------------------------------------------
+
+
+def test_restart_keeps_done_groups_requeues_the_rest_and_still_seals(tmp_path):
+    clock1 = Clock(now=1000.0)
+    h1 = Harness(clock=clock1, state_dir=tmp_path)
+    a = h1.worker("a", slots=2)
+    inc_a = h1.incarnations["a"]
+    h1.sched.submit(RUN, 1, specs(6), IterationConfig(deadline_s=100.0, min_fraction=1.0))
+    assert assigned(drain(a)) == ids(0, 1)
+    clock1.now += 5.0
+    accept(h1, a, "t00", tokens=4)
+    accept(h1, a, "t01", tokens=6)  # a second shard
+    accept(h1, a, "t00", seed=9)  # duplicate: counted
+    h1.sched.release(a, 1, ["t03"], "engine error")  # counted as a requeue
+    before = {tid: [s.completion_ids for s in h1.it().groups[tid].samples] for tid in ids(0, 1)}
+    # a shard written whose commit never happened (killed between the two): never referenced
+    orphan = h1.store.write_shard(RUN, 1, [(group("t02", 1, seed=77), [1])])
+    h1.coord.db.close()
+
+    # a new process: its own monotonic clock, 20 s of wall time later
+    clock2 = Clock(now=50.0, wall_offset=clock1.wall() + 20.0 - 50.0)
+    h2 = Harness(clock=clock2, state_dir=tmp_path)
+    it = h2.it()
+    assert [it.tasks[t].status for t in ids(0, 1)] == [TaskStatus.DONE, TaskStatus.DONE]
+    assert it.tasks["t00"].done_by == "a"
+    assert {tid: [s.completion_ids for s in it.groups[tid].samples] for tid in ids(0, 1)} == before
+    assert it.groups["t00"].policy_version == 3 and it.groups["t01"].samples[1].reward == 1.0
+    assert it.tasks["t01"].spec == spec(1)
+    assert list(it.queue) == ids(2, 3, 4, 5)
+    assert all(it.tasks[t].status is TaskStatus.QUEUED for t in ids(2, 3, 4, 5))
+    assert it.tasks["t03"].requeues == 1
+    c = it.counters
+    assert (c.refused_duplicate, c.requeued) == (1, 1)
+    assert (it.nodes["a"].done, it.nodes["a"].tokens, it.nodes["a"].refused) == (2, 20, 1)
+    assert it.deadline - clock2.now == pytest.approx(100.0 - 5.0 - 20.0)
+    assert not it.sealed
+
+    # a is still a member with the same incarnation: it reconnects and finishes the iteration
+    h2.incarnations["a"] = inc_a
+    a2 = h2.worker("a", slots=2)
+    assert assigned(drain(a2)) == ids(2, 3)
+    accept(h2, a2, "t02", "t03")
+    assert assigned(drain(a2)) == ids(4, 5)
+    accept(h2, a2, "t04", "t05")
+    assert it.sealed and it.seal_reason == "all 6 tasks done"
+    assert it.groups["t02"].samples[0].token_ids() == group("t02").samples[0].token_ids()
+
+    shard_dir = h2.store.iteration_dir(RUN, 1)
+    shard_names = sorted(p.name for p in shard_dir.glob("shard-*.safetensors"))
+    assert len(shard_names) == 5 and orphan in shard_names  # nothing overwritten, orphan kept
+    assert orphan not in it.shard_of.values()
+
+    manifest = json.loads((shard_dir / MANIFEST).read_text())
+    assert manifest["sealed"] and manifest["tasks_done"] == 6 and manifest["tasks_total"] == 6
+    assert (manifest["refused_duplicate"], manifest["requeued"]) == (1, 1)
+    assert [(n["node"], n["done"]) for n in manifest["nodes"]] == [("a", 6)]
+    elapsed = manifest["elapsed_s"]
+    assert elapsed == pytest.approx(5.0 + 20.0)
+    h2.coord.db.close()
+
+    # and once more, after the seal: groups are read back from the shards on demand
+    clock3 = Clock(now=7.0, wall_offset=clock2.wall() + 60.0 - 7.0)
+    h3 = Harness(clock=clock3, state_dir=tmp_path)
+    it3 = h3.it()
+    assert it3.sealed and it3.seal_reason == "all 6 tasks done"
+    assert h3.sched.manifest(it3)["elapsed_s"] == pytest.approx(elapsed)
+    parts = [h3.sched.shard(RUN, 1, r, 2, Split.TRAIN) for r in range(2)]
+    got = {g.task_id: g for part in parts for g, _ in part}
+    assert sorted(got) == ids(0, 1, 2, 3, 4, 5)
+    assert [s.completion_ids for s in got["t00"].samples] == before["t00"]
+    assert got["t05"].node == "a"
+
+
+def test_in_memory_store_writes_no_manifest_and_durable_store_does(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(1), IterationConfig())
+    accept(h, a, "t00", tokens=2)
+    data = json.loads((h.store.iteration_dir(RUN, 1) / MANIFEST).read_text())
+    assert data["run_id"] == RUN and data["iteration"] == 1 and data["tokens"] == 4
+    assert data["seal_reason"] == "all 1 tasks done" and data["policy"] == "dynamic"
