@@ -29,7 +29,9 @@ import time
 from elasticrl.coordinator.launch import coordinator_command, wait_for_port
 from elasticrl.rl.tasks import TASKS  # pure Python: the demo process never imports torch
 
-PROGRESS_RE = re.compile(r"^iter\s+(\d+)/\d+ ")
+# Rank 0's progress table (elasticrl.train.loop NodeTrainer._report): a header, then one row per iteration.
+PROGRESS_RE = re.compile(r"^\[[#-]+\]\s+(\d+)/\d+ ")
+HEADER_RE = re.compile(r"^progress\s+iter\s")
 # Worker log lines worth showing on the console (the rest goes to the node's log file).
 NOTABLE_RE = re.compile(r" (WARNING|ERROR|CRITICAL) node=| resumed from iteration ")
 NOTABLE_WIDTH = 200
@@ -176,7 +178,11 @@ def _stream(child: Child, demo: "Demo") -> None:
             log.write(line + "\n")
             log.flush()
             progress = PROGRESS_RE.match(line)
-            if progress:
+            if HEADER_RE.match(line):
+                if not demo.header_shown:  # a restarted rank 0 prints it again
+                    demo.header_shown = True
+                    demo.say(line)
+            elif progress:
                 demo.reported.append(int(progress.group(1)))
                 demo.say(line)
             elif NOTABLE_RE.search(line) and not demo.stopping.is_set():
@@ -218,6 +224,7 @@ class Demo:
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     scheduler: object = None
+    header_shown: bool = False
     """SchedulerClient, opened when --kill-phase needs to watch an iteration."""
 
     @property

@@ -1,15 +1,19 @@
-"""The RL node's iteration loop: barrier -> rollout -> rewards -> advantages -> DDP update -> checkpoint.
+"""The RL node's iteration loop: rollout through the scheduler -> seal -> barrier -> fetch -> update -> checkpoint.
 
 One ``NodeTrainer`` per torchrun worker. Every worker holds a coordinator ``Membership`` (member
 ``rank-<r>`` in run ``<run id>.workers``, kept apart from the agents' rendezvous members so a
-barrier waits for workers only) and meets the others at a leased barrier before each iteration.
-Barrier names carry a *generation* that rank 0 draws from the coordinator's KV each time the
-worker group starts, so a restarted group never meets a barrier its previous incarnation decided.
+barrier waits for workers only) and runs a rollout engine that is a member of ``<run id>.rollout``,
+the scheduler's run. Rank 0 submits each iteration's prompts as tasks; every node's engine pulls
+and generates them; once the iteration seals, the workers meet at a leased barrier, fetch their
+token-balanced shard of the batch from the coordinator and update the policy. Barrier names carry
+a *generation* that rank 0 draws from the coordinator's KV each time the worker group starts, so a
+restarted group never meets a barrier its previous incarnation decided.
 
 If the barrier reports that a rank of the current world was evicted (its lease lapsed: the process
 or its node died), the worker exits with ``WorldChangedError`` instead of entering a collective
 that would hang; torchrun then re-forms the group and every worker resumes from the newest
-checkpoint that any rank holds, broadcast from that rank (no shared filesystem needed).
+checkpoint that any rank holds, broadcast from that rank (no shared filesystem needed). Iterations
+the scheduler already sealed are reused, not rolled out again.
 """
 
 from __future__ import annotations
@@ -233,10 +237,13 @@ class NodeTrainer:
         return loss_sum, clip_sum
 
     def _iteration(self, iteration: int) -> dict:
-        """barrier -> submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push.
+        """submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push.
 
-        Every phase is timed on this rank (``t_*`` seconds); the second barrier is where a trainer
-        node that died during the rollout is noticed, before any collective could hang on it.
+        Every phase is timed on this rank (``t_*`` seconds). The barrier is where a trainer node
+        that died during the rollout is noticed, before any collective could hang on it. No
+        barrier is needed before the submit: ranks that are not there yet wait for the seal on
+        the coordinator, and a node's engine samples only after its own update released the
+        policy (``model_lock``), so no group is drawn from a stale policy.
         """
         t: dict[str, float] = {}
         start = mark = time.monotonic()
@@ -244,11 +251,9 @@ class NodeTrainer:
         def lap(name: str) -> None:
             nonlocal mark
             now = time.monotonic()
-            t[name] = t.get(name, 0.0) + now - mark
+            t[name] = now - mark
             mark = now
 
-        self._barrier(iteration, "start")
-        lap("t_barrier")
         if self.world.rank == 0:
             self._submit(iteration)
         lap("t_submit")

@@ -88,7 +88,9 @@ def first_run(tmp_path_factory):
 def test_two_nodes_train_log_every_iteration_and_checkpoint(first_run):
     out, result = first_run
     assert result.returncode == 0, result.stdout
-    assert "iter   4/4 |" in result.stdout and "done in" in result.stdout, result.stdout
+    assert "[####################]   4/4" in result.stdout and "done in" in result.stdout, result.stdout
+    assert result.stdout.count("progress ") == 1 and "rollout" in result.stdout  # the table's header, once
+    assert (out / "reward.png").stat().st_size > 1000 and f"plot         {out / 'reward.png'}" in result.stdout
     records = metrics(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     assert {r["world_size"] for r in records} == {2}
