@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 # A fenced worker's stream stays open this long so the results it sends after waking up (a
 # SIGSTOPped process, say) reach us and are refused and counted, rather than lost in transit.
 FENCED_STREAM_GRACE_S = 60.0
+# Sealed iterations whose groups stay in memory per run (trainers fetch the newest one or two).
+KEEP_SEALED_GROUPS = 2
 
 
 @dataclasses.dataclass
@@ -227,6 +229,9 @@ class SchedulerCore:
             share = it.shares.pop(member.member_id, None)
             if share and not it.sealed:
                 it.queue.extend(share)
+            if not it.sealed and member.member_id in it.nodes:
+                with self.db.tx():
+                    self.db.put_counters(it)
         if conn is None or conn.worker.incarnation != member.incarnation:
             self._dispatch(run_id)
             return
@@ -308,6 +313,10 @@ class SchedulerCore:
                         batches[id(conn)].append(self._assign(it, it.tasks[task_id], conn.worker, now, backup))
                         progress = True
                         break
+        if batches:
+            with self.db.tx():  # assignment counts and backups survive a restart too
+                for it in open_its:
+                    self.db.put_counters(it)
         for conn in conns:
             items = batches.get(id(conn))
             if items:
@@ -469,7 +478,15 @@ class SchedulerCore:
         event = self._seal_events.pop((it.run_id, it.iteration), None)
         if event is not None:
             event.set()
+        self._trim(it.run_id)
         self._dispatch(it.run_id)
+
+    def _trim(self, run_id: str) -> None:
+        """Keep the groups of the newest KEEP_SEALED_GROUPS sealed iterations in memory; older ones
+        are read back from their shards if a trainer still asks for them."""
+        sealed = sorted(i for i, it in self.iterations.get(run_id, {}).items() if it.sealed)
+        for iteration in sealed[:-KEEP_SEALED_GROUPS]:
+            self.iterations[run_id][iteration].groups.clear()
 
     async def wait_sealed(self, run_id: str, iteration: int, wait_s: float) -> Iteration | None:
         """The iteration once sealed, or as it stands after ``wait_s``; None if it has not even

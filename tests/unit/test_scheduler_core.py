@@ -590,3 +590,20 @@ def test_in_memory_store_writes_no_manifest_and_durable_store_does(tmp_path):
     data = json.loads((h.store.iteration_dir(RUN, 1) / MANIFEST).read_text())
     assert data["run_id"] == RUN and data["iteration"] == 1 and data["tokens"] == 4
     assert data["seal_reason"] == "all 1 tasks done" and data["policy"] == "dynamic"
+
+
+def test_old_sealed_iterations_leave_memory_but_stay_fetchable():
+    from elasticrl.scheduler.core import KEEP_SEALED_GROUPS
+
+    h = Harness()
+    a = h.worker("a", slots=4)
+    n = KEEP_SEALED_GROUPS + 2
+    for iteration in range(1, n + 1):
+        h.sched.submit(RUN, iteration, specs(2), IterationConfig())
+        accept(h, a, *ids(0, 1), iteration=iteration, tokens=iteration)
+        assert h.it(iteration).sealed
+    in_memory = [i for i in range(1, n + 1) if h.it(i).groups]
+    assert in_memory == list(range(n - KEEP_SEALED_GROUPS + 1, n + 1))
+    # The oldest is read back from its shard, bytes intact.
+    (part,) = [h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)]
+    assert [g.task_id for g, _ in part] == ids(0, 1) and all(g.num_tokens == 2 * 1 for g, _ in part)
