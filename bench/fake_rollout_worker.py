@@ -22,7 +22,7 @@ import sys
 import time
 import zlib
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from elasticrl.errors import CoordinatorUnavailableError, FencedError  # noqa: E402
 from elasticrl.scheduler.state import GroupRecord, SampleRecord  # noqa: E402

@@ -486,7 +486,10 @@ class SchedulerCore:
         are read back from their shards if a trainer still asks for them."""
         sealed = sorted(i for i, it in self.iterations.get(run_id, {}).items() if it.sealed)
         for iteration in sealed[:-KEEP_SEALED_GROUPS]:
-            self.iterations[run_id][iteration].groups.clear()
+            it = self.iterations[run_id][iteration]
+            it.groups.clear()
+            if self.store.forget(run_id, iteration):  # in memory: nothing to read them back from
+                it.shard_of.clear()
 
     async def wait_sealed(self, run_id: str, iteration: int, wait_s: float) -> Iteration | None:
         """The iteration once sealed, or as it stands after ``wait_s``; None if it has not even
@@ -546,5 +549,10 @@ class SchedulerCore:
             raise InvalidRequestError(f"rank: {rank} must be in 0..world_size-1 (world_size={world_size})")
         self._load_groups(it)
         done = [t for t in it.tasks.values() if t.status is TaskStatus.DONE and t.spec.split is split]
+        if any(t.spec.task_id not in it.groups for t in done):
+            raise NotFoundError(
+                f"iteration: the groups of iteration {iteration} of run {run_id!r} are gone: an in-memory "
+                f"coordinator keeps only the newest {KEEP_SEALED_GROUPS} sealed iterations (use --state-dir)"
+            )
         plan = policy.balance_shards([(t.spec.task_id, t.seq, it.groups[t.spec.task_id].num_tokens) for t in done], world_size)
         return [(it.groups[task_id], it.tasks[task_id]) for task_id in plan[rank]]

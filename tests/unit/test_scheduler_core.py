@@ -592,10 +592,13 @@ def test_in_memory_store_writes_no_manifest_and_durable_store_does(tmp_path):
     assert data["seal_reason"] == "all 1 tasks done" and data["policy"] == "dynamic"
 
 
-def test_old_sealed_iterations_leave_memory_but_stay_fetchable():
+@pytest.mark.parametrize("durable", [True, False])
+def test_old_sealed_iterations_leave_memory(tmp_path, durable):
+    """Only the newest sealed iterations keep their groups in memory. With a state dir an older
+    one is read back from its shards; an in-memory coordinator has dropped it and says so."""
     from elasticrl.scheduler.core import KEEP_SEALED_GROUPS
 
-    h = Harness()
+    h = Harness(state_dir=tmp_path if durable else None)
     a = h.worker("a", slots=4)
     n = KEEP_SEALED_GROUPS + 2
     for iteration in range(1, n + 1):
@@ -604,6 +607,10 @@ def test_old_sealed_iterations_leave_memory_but_stay_fetchable():
         assert h.it(iteration).sealed
     in_memory = [i for i in range(1, n + 1) if h.it(i).groups]
     assert in_memory == list(range(n - KEEP_SEALED_GROUPS + 1, n + 1))
-    # The oldest is read back from its shard, bytes intact.
-    (part,) = [h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)]
-    assert [g.task_id for g, _ in part] == ids(0, 1) and all(g.num_tokens == 2 * 1 for g, _ in part)
+    if durable:
+        part = h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)
+        assert [g.task_id for g, _ in part] == ids(0, 1) and all(g.num_tokens == 2 for g, _ in part)
+    else:
+        with pytest.raises(NotFoundError, match="use --state-dir"):
+            h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)
+    assert [g.task_id for g, _ in h.sched.shard(RUN, n, 0, 1, Split.TRAIN)] == ids(0, 1)
