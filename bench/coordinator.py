@@ -47,6 +47,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench.benchmain import BenchError, run_main  # noqa: E402
+
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 WORKER = BENCH_DIR / "barrier_members.py"
@@ -115,10 +118,6 @@ def log(msg: str) -> None:
 
 
 # -- processes -------------------------------------------------------------------------------
-
-
-class BenchError(RuntimeError):
-    """A process of the bench failed: the bench stops and exits non-zero."""
 
 
 # TCPStore names both ends of each connection (reverse DNS of ::ffff:127.0.0.1); where DNS is
@@ -599,25 +598,7 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RES_OPTIONS", RESOLVER_OPTIONS)
-    started = time.monotonic()
-    with contextlib.ExitStack() as cleanup:
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix="elasticrl-bench-"))
-        cleanup.callback(shutil.rmtree, tmp, True)
-        try:
-            doc = run(args, tmp, cleanup)
-        except BenchError as exc:
-            print(f"bench/coordinator.py: {exc}", file=sys.stderr)
-            return 1
-    doc["elapsed_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(doc, indent=2)
-    table = render_table(doc)
-    if args.json_out:
-        pathlib.Path(args.json_out).write_text(text + "\n")
-        print(table)
-    else:
-        print(text)
-        print(table, file=sys.stderr)
-    return 0
+    return run_main("bench/coordinator.py", args.json_out, lambda tmp, cleanup: run(args, tmp, cleanup), render_table, prefix="elasticrl-bench-")
 
 
 if __name__ == "__main__":

@@ -45,13 +45,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RAW = BENCH_DIR / "scheduler_raw.py"
 sys.path.insert(0, str(REPO))
 
+from bench.benchmain import run_main  # noqa: E402
 from bench.scheduler_procs import (  # noqa: E402
     BenchError,
     Coordinator,
@@ -484,25 +484,7 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.monotonic()
-    with contextlib.ExitStack() as cleanup:
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix="elasticrl-bench-sched-"))
-        cleanup.callback(shutil.rmtree, tmp, True)
-        try:
-            doc = run(args, tmp, cleanup)
-        except BenchError as exc:
-            print(f"bench/scheduler.py: {exc}", file=sys.stderr)
-            return 1
-    doc["elapsed_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(doc, indent=2)
-    table = render(doc)
-    if args.json_out:
-        pathlib.Path(args.json_out).write_text(text + "\n")
-        print(table)
-    else:
-        print(text)
-        print(table, file=sys.stderr)
-    return 0
+    return run_main("bench/scheduler.py", args.json_out, lambda tmp, cleanup: run(args, tmp, cleanup), render, prefix="elasticrl-bench-sched-")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench.benchmain import BenchError  # noqa: E402,F401 - re-exported for bench/scheduler.py
+
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 WORKER = BENCH_DIR / "scheduler_worker.py"
@@ -25,10 +28,6 @@ _STARTED = time.monotonic()
 
 def log(msg: str) -> None:
     print(f"[bench {time.monotonic() - _STARTED:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-class BenchError(RuntimeError):
-    """A process of the bench failed: the bench stops and exits non-zero."""
 
 
 def child_env() -> dict[str, str]:

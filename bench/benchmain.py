@@ -1,0 +1,50 @@
+"""What every bench script's ``main`` does once its arguments are parsed: a temporary directory
+and an ``ExitStack`` that clean up whatever happens, the run, then JSON plus a readable table.
+
+With ``--json-out`` the JSON goes to that file and the table to stdout; without it the JSON goes to
+stdout and the table to stderr, so ``bench/x.py | jq`` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not measure what it set out to (a process failed, a wait timed out)."""
+
+
+def run_main(
+    script: str,
+    json_out: str | None,
+    run: Callable[[pathlib.Path, contextlib.ExitStack], dict],
+    render: Callable[[dict], str],
+    *,
+    prefix: str,
+) -> int:
+    started = time.monotonic()
+    with contextlib.ExitStack() as cleanup:
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+        cleanup.callback(shutil.rmtree, tmp, True)
+        try:
+            doc = run(tmp, cleanup)
+        except BenchError as exc:
+            print(f"{script}: {exc}", file=sys.stderr)
+            return 1
+    doc["elapsed_s"] = round(time.monotonic() - started, 1)
+    text = json.dumps(doc, indent=2)
+    table = render(doc)
+    if json_out:
+        pathlib.Path(json_out).write_text(text + "\n")
+        print(table)
+    else:
+        print(text)
+        print(table, file=sys.stderr)
+    return 0
