@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import logging
 import time
-import types
 from typing import TYPE_CHECKING
 
 import grpc
@@ -173,10 +172,6 @@ class AsyncSession:
                 op.future.set_exception(exc)
             self._forget(request_id)
 
-    async def _requests(self, outbox: asyncio.Queue):
-        while (request := await outbox.get()) is not None:  # None: that stream is over
-            yield request
-
     async def _run(self) -> None:
         try:
             await self._serve_streams()
@@ -188,26 +183,20 @@ class AsyncSession:
 
     async def _serve_streams(self) -> None:
         """Keep a stream open; reopen it after transport failures, within the reconnect budget."""
-        down_since: float | None = None  # first failure since the last stream that was up
-        failures = 0
+        budget = wire.ReopenBudget(self._client.reconnect_timeout_s)
         while True:
             was_up, detail = await self._one_stream()
             if detail is None:
                 return  # a failure a new stream cannot fix: pending operations got its error
-            now = time.monotonic()
-            if was_up or down_since is None:
-                down_since, failures = now, 0
-            left = down_since + self._client.reconnect_timeout_s - now
-            if left <= 0:
+            pause = budget.pause_after(was_up)
+            if pause is None:
                 self._fail_pending(CoordinatorUnavailableError(
                     f"coordinator at {self.address} is unreachable: session stream not reopened within "
                     f"{self._client.reconnect_timeout_s:.1f}s ({detail})"
                 ))
                 return  # the next operation starts a fresh attempt
-            failures += 1
-            pause = wire.retry_wait()(types.SimpleNamespace(attempt_number=failures))
             log.debug("session %s to %s broke (%s); reopening in %.3fs", self.member_id, self.address, detail, pause)
-            await asyncio.sleep(min(pause, left))
+            await asyncio.sleep(pause)
 
     async def _one_stream(self) -> tuple[bool, str | None]:
         """Open a stream, (re-)send what is pending, dispatch responses until the stream ends.
@@ -218,7 +207,7 @@ class AsyncSession:
         opening has ``call_timeout_s``, and the channel's keepalive pings notice a dead peer.
         """
         outbox: asyncio.Queue = asyncio.Queue()
-        call = self._client._stub.Session(self._requests(outbox), metadata=self._client._metadata)
+        call = self._client._stub.Session(wire.stream_requests(outbox), metadata=self._client._metadata)
         up = False
         try:
             # The server sends initial metadata as soon as the stream is up. Nothing is written

@@ -6,7 +6,10 @@ what goes on the wire and how an answer is read lives here once.
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
+import types
 
 import grpc
 import tenacity
@@ -58,6 +61,34 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def retry_wait():
     """Backoff between reconnect attempts: exponential from 50 ms to 1 s, plus up to 50 ms jitter."""
     return tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05)
+
+
+class ReopenBudget:
+    """How a long-lived stream (a member's Session, an engine's Work stream) is reopened after it
+    breaks: backoff pauses (``retry_wait``) until it has stayed down for ``budget_s``. Any stream
+    that got up starts the budget afresh."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self._down_since: float | None = None  # first failure since the last stream that was up
+        self._failures = 0
+
+    def pause_after(self, was_up: bool) -> float | None:
+        """Seconds to wait before the next attempt, or None once the budget is spent."""
+        now = time.monotonic()
+        if was_up or self._down_since is None:
+            self._down_since, self._failures = now, 0
+        left = self._down_since + self.budget_s - now
+        if left <= 0:
+            return None
+        self._failures += 1
+        return min(retry_wait()(types.SimpleNamespace(attempt_number=self._failures)), left)
+
+
+async def stream_requests(outbox: asyncio.Queue):
+    """The request iterator of one stream: what is put in ``outbox`` until a None ends it."""
+    while (request := await outbox.get()) is not None:
+        yield request
 
 
 def join_request(run_id, member_id, *, host, weight, capabilities, lease_ttl_s) -> pb.JoinRequest:

@@ -87,29 +87,20 @@ def group_from_pb(field: str, g: spb.TrajectoryGroup) -> tuple[int, GroupRecord]
             )
         if not math.isfinite(s.reward):
             raise InvalidRequestError(f"{field}.samples[{j}].reward: {s.reward!r} is not finite")
-        samples.append(SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text))
+        samples.append(_sample_from_pb(s))
     if not samples:
         raise InvalidRequestError(f"{field}.samples: must not be empty")
     return g.iteration, GroupRecord(g.task_id, "", g.policy_version, g.gen_seconds, g.reward_seconds, samples)
 
 
 def group_to_pb(iteration: int, g: GroupRecord, spec: TaskSpec) -> spb.TrajectoryGroup:
-    return spb.TrajectoryGroup(
-        iteration=iteration,
-        task_id=g.task_id,
-        samples=[
-            spb.Sample(completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
-                       finish_reason=s.finish_reason, text=s.text)
-            for s in g.samples
-        ],
-        policy_version=g.policy_version,
-        gen_seconds=g.gen_seconds,
-        reward_seconds=g.reward_seconds,
-        node=g.node,
-        prompt_ids=spec.prompt_ids,
-        split=SPLIT_TO_PB[spec.split],
-        metadata_json=spec.metadata_json,
-    )
+    """A stored group as a trainer receives it: the result plus what the coordinator knows."""
+    msg = result_to_pb(iteration, g)
+    msg.node = g.node
+    msg.prompt_ids.extend(spec.prompt_ids)
+    msg.split = SPLIT_TO_PB[spec.split]
+    msg.metadata_json = spec.metadata_json
+    return msg
 
 
 def manifest_to_pb(m: dict) -> spb.IterationManifest:
@@ -149,7 +140,7 @@ def fetched_from_pb(g: spb.TrajectoryGroup) -> FetchedGroup:
         prompt_ids=list(g.prompt_ids),
         split=SPLIT_FROM_PB.get(g.split, Split.TRAIN),
         metadata_json=g.metadata_json,
-        samples=[SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text) for s in g.samples],
+        samples=[_sample_from_pb(s) for s in g.samples],
     )
 
 
@@ -167,3 +158,7 @@ def result_to_pb(iteration: int, g: GroupRecord) -> spb.TrajectoryGroup:
         gen_seconds=g.gen_seconds,
         reward_seconds=g.reward_seconds,
     )
+
+
+def _sample_from_pb(s: spb.Sample) -> SampleRecord:
+    return SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text)

@@ -300,6 +300,7 @@ class SchedulerCore:
             return
         now = self.clock()
         batches: dict[int, list] = collections.defaultdict(list)
+        touched: dict[int, Iteration] = {}
         progress = True
         while progress:
             progress = False
@@ -311,11 +312,12 @@ class SchedulerCore:
                     if picks:
                         task_id, backup = picks[0]
                         batches[id(conn)].append(self._assign(it, it.tasks[task_id], conn.worker, now, backup))
+                        touched[it.iteration] = it
                         progress = True
                         break
-        if batches:
+        if touched:
             with self.db.tx():  # assignment counts and backups survive a restart too
-                for it in open_its:
+                for it in touched.values():
                     self.db.put_counters(it)
         for conn in conns:
             items = batches.get(id(conn))

@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import threading
 import time
-import types
 from collections.abc import Callable
 
 import grpc
@@ -219,28 +218,18 @@ class RolloutWorker:
     # -- streams -----------------------------------------------------------------------------
 
     async def _serve_streams(self, executor) -> None:
-        down_since: float | None = None
-        failures = 0
+        budget = wire.ReopenBudget(self.reconnect_timeout_s)
         while True:
             was_up, detail = await self._one_stream(executor)
-            now = time.monotonic()
-            if was_up or down_since is None:
-                down_since, failures = now, 0
-            left = down_since + self.reconnect_timeout_s - now
-            if left <= 0:
+            pause = budget.pause_after(was_up)
+            if pause is None:
                 raise CoordinatorUnavailableError(
                     f"coordinator at {self.address} is unreachable: work stream not reopened within "
                     f"{self.reconnect_timeout_s:.1f}s ({detail})"
                 )
-            failures += 1
             self.stats.reconnects += 1
-            pause = wire.retry_wait()(types.SimpleNamespace(attempt_number=failures))
             log.info("worker %s: work stream broke (%s); reopening in %.2fs", self.member_id, detail, pause)
-            await asyncio.sleep(min(pause, left))
-
-    async def _requests(self, outbox: asyncio.Queue):
-        while (request := await outbox.get()) is not None:
-            yield request
+            await asyncio.sleep(pause)
 
     async def _one_stream(self, executor) -> tuple[bool, str]:
         """Hello, re-send unacked batches, then act on assignments, cancels and acks until the
@@ -251,7 +240,7 @@ class RolloutWorker:
         hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
         outbox.put_nowait(spb.WorkRequest(hello=hello))
         stub = spb_grpc.SchedulerStub(self._client._channel)
-        call = stub.Work(self._requests(outbox), metadata=self._client._metadata)
+        call = stub.Work(wire.stream_requests(outbox), metadata=self._client._metadata)
         up = False
         try:
             try:
