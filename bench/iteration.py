@@ -13,7 +13,10 @@ reads rank 0's per-iteration timings from metrics.jsonl (every phase is timed in
   notification, i.e. pure coordination), measured as rank 0's rollout minus the manifest's
   ``elapsed_s``,
 * ``fetch``: streaming this rank's shard of the sealed batch from the coordinator,
-* ``update``: the policy update (DDP), ``push``: handing the new weights to the local engine,
+* ``eval``: on evaluation iterations, rank 0 fetching the held-out groups,
+* ``update``: the policy update (the configured strategy), ``push``: handing the new weights to
+  the local engine and (``publish``, part of push) uploading them to the coordinator for
+  rollout-only workers,
 * ``checkpoint``: on the iterations that save one.
 
 Coordination = barrier + submit + seal + fetch, as a share of the iteration. The first ``--skip``
@@ -32,7 +35,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("barrier", "submit", "seal", "fetch", "update", "push", "rollout_work", "checkpoint")
+PHASES = ("barrier", "submit", "seal", "fetch", "eval", "update", "push", "publish", "rollout_work", "checkpoint")
 
 
 def summarize(records: list[dict], skip: int) -> dict:
@@ -51,8 +54,10 @@ def summarize(records: list[dict], skip: int) -> dict:
             "seal": seal,
             "rollout_work": r["t_rollout"] - seal,
             "fetch": r["t_fetch"],
+            "eval": r.get("t_eval", 0.0),
             "update": r["t_update"],
             "push": r["t_push"],
+            "publish": r.get("t_publish", 0.0),
             "checkpoint": r.get("t_checkpoint", 0.0),
         })
     mean = {k: statistics.fmean(p[k] for p in per) for k in ("total", *PHASES)}
@@ -69,8 +74,8 @@ def summarize(records: list[dict], skip: int) -> dict:
 def table(summary: dict) -> str:
     mean, total = summary["mean_s"], summary["mean_s"]["total"]
     lines = [f"{'phase':<14} {'mean ms':>9} {'share':>7}", "-" * 32]
-    labels = {"rollout_work": "rollout (gen)", "barrier": "barriers"}
-    for k in ("rollout_work", "update", "push", "checkpoint", "barrier", "submit", "seal", "fetch"):
+    labels = {"rollout_work": "rollout (gen)", "barrier": "barriers", "publish": "  of it publish"}
+    for k in ("rollout_work", "update", "push", "publish", "eval", "checkpoint", "barrier", "submit", "seal", "fetch"):
         lines.append(f"{labels.get(k, k):<14} {1000 * mean[k]:>9.1f} {mean[k] / total:>7.1%}")
     lines.append("-" * 32)
     lines.append(f"{'iteration':<14} {1000 * total:>9.1f} {1:>7.0%}")

@@ -1,4 +1,4 @@
-"""``elasticrl`` command line: ``coordinator``, ``status``, ``close-run``.
+"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``status``, ``close-run``.
 
 Arguments are parsed before anything heavy is imported, so ``--help`` answers at once.
 """
@@ -38,6 +38,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fsync", action="store_true", help="fsync every state change (survives power loss; slower)")
     c.add_argument("--port-file", help="write the bound port to this file once serving (useful with --port 0)")
     c.add_argument("--max-message-mb", type=float, default=64, metavar="MIB", help="largest gRPC message accepted or sent, MiB; workers batch trajectories below it (default: %(default)s)")
+    c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (GET /metrics, GET /healthz) over HTTP on this TCP port; 0 picks a free one (default: off). No token check: bind it to an internal interface")
+    c.add_argument("--metrics-host", metavar="HOST", help="interface of the metrics endpoint (default: the same as --host)")
+    c.add_argument("--metrics-port-file", metavar="FILE", help="write the bound metrics port to this file once serving (useful with --metrics-port 0)")
+
+    sub.add_parser(
+        "run", add_help=False, prefix_chars="\0",
+        help="run a node config on this machine: a local coordinator plus N torchrun nodes (elasticrl run CONFIG --help)",
+    ).add_argument("rest", nargs=argparse.REMAINDER)
+
+    r = sub.add_parser(
+        "rollout", help="a rollout-only worker: join a running run's scheduler, draw rollouts with the published weights",
+        description="Join run RUN (--run-id, else the config's run.run_id) at the coordinator as one more rollout "
+        "engine, with weights the trainer publishes; leave at any time (Ctrl-C). Exits 0 when training finishes.",
+        epilog="Config overrides after the flags, e.g. --engine.device=cuda:0 --rollout.slots=32",
+    )
+    r.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address (default: the config's coordinator.address, else $ELASTICRL_COORDINATOR)")
+    r.add_argument("--config", required=True, metavar="FILE", help="the run's node config (TOML): model, engine, task, rewards")
+    r.add_argument("--run-id", help="the run to join (default: the config's run.run_id)")
+    r.add_argument("--member-id", help="this worker's member id (default: rollout-<host>-<pid>)")
+    r.add_argument("--slots", type=int, default=0, help="tasks drawn at once (default: the config's rollout.slots)")
+    r.add_argument("--weight", type=float, default=1.0, help="static-policy share weight (default: %(default)s)")
 
     s = sub.add_parser("status", help="show members, epochs, rounds, open barriers and each run's current iteration")
     _add_client_args(s)
@@ -53,8 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "run":
+        return _run([*args.rest, *rest])
+    if args.command == "rollout":
+        return _rollout(args, rest)
+    if rest:
+        build_parser().parse_args(argv)  # the usual "unrecognized arguments" error
     if args.command == "coordinator":
         return _coordinator(args)
     from elasticrl.coordinator.client import resolve_token
@@ -88,6 +115,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run(rest: list[str]) -> int:
+    """``elasticrl run CONFIG [flags] [-- overrides]``: the demo launcher on any node config."""
+    from elasticrl.demo import main as launch
+
+    if rest and not rest[0].startswith("-"):
+        rest = ["--config", rest[0], *rest[1:]]
+    return launch(rest, prog="elasticrl run")
+
+
+def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
+    import dataclasses
+
+    from elasticrl import config as cfgmod
+
+    try:
+        cfg = cfgmod.load_config(args.config, cfgmod.parse_overrides(overrides))
+        if args.coordinator:
+            cfg = dataclasses.replace(cfg, coordinator=dataclasses.replace(cfg.coordinator, address=args.coordinator))
+        if args.run_id:
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_id=args.run_id))
+        cfg = cfg.resolved()
+    except cfgmod.ConfigError as exc:
+        print(f"elasticrl rollout: {exc}", file=sys.stderr)
+        return 2
+    from elasticrl.errors import ElasticRLError
+    from elasticrl.train import rollout_only
+
+    try:
+        return rollout_only.run(cfg, member_id=args.member_id or "", slots=args.slots, weight=args.weight)
+    except ElasticRLError as exc:
+        print(f"elasticrl rollout: {exc}", file=sys.stderr)
+        return 1
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -106,6 +167,9 @@ def _coordinator(args: argparse.Namespace) -> int:
             fsync=args.fsync,
             port_file=args.port_file,
             max_message_bytes=int(args.max_message_mb * (1 << 20)),
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            metrics_port_file=args.metrics_port_file,
         )
         asyncio.run(serve(config))
     except (ValueError, OSError) as exc:

@@ -32,73 +32,123 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+RL_PHASES = ("both", "rollout", "update")
+
+
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """Where the node finds the coordinator, how long the run is, and where its files go."""
+    """What the run is: its id, length, seed, phases, and where its files go."""
 
     run_id: str = ""
     """Run id; empty means $TORCHELASTIC_RUN_ID (torchrun's --rdzv-id), else "local"."""
-    coordinator: str = ""
-    """Coordinator HOST:PORT; empty means $ELASTICRL_COORDINATOR."""
-    token_file: str = ""
-    """File holding the coordinator's shared token; empty means $ELASTICRL_TOKEN if set."""
-    tls_ca: str = ""
-    """PEM CA bundle to verify a TLS coordinator; empty for plaintext."""
     run_dir: str = ""
     """Directory for config.json, metrics.jsonl and checkpoints; empty means runs/<run_id>."""
     iterations: int = 40
     """Number of RL iterations (rollout + update) in the whole run, counting resumed ones."""
     seed: int = 1234
     """Seed of prompts, sampling and initial weights; a run is reproducible for a given world size."""
+    rl_phase: str = "both"
+    """both: rollout then update every iteration; rollout: only collect trajectories (sealed and kept
+    by the coordinator, which needs --state-dir to keep more than the last two); update: only train
+    on iterations a rollout-phase run already sealed (as WebGym's rl_phase)."""
+    eval_interval: int = 0
+    """Every this many iterations also roll out task.eval_prompts held-out prompts (split "eval",
+    never trained on) and report eval_reward; 0 disables evaluation."""
+    num_threads: int = 1
+    """torch intra-op threads per worker; 1 keeps several workers on a small machine from fighting."""
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 1, f"run.iterations: {self.iterations} must be at least 1 (e.g. --run.iterations=30)")
+        _check(self.rl_phase in RL_PHASES, f"run.rl_phase: {self.rl_phase!r} must be one of {', '.join(RL_PHASES)}")
+        _check(self.eval_interval >= 0, f"run.eval_interval: {self.eval_interval} must be >= 0 (0 disables evaluation)")
+        _check(self.num_threads >= 1, f"run.num_threads: {self.num_threads} must be at least 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CoordinatorSection:
+    """How the node reaches the coordinator, and how long it waits for it and for its peers."""
+
+    address: str = ""
+    """Coordinator HOST:PORT; empty means $ELASTICRL_COORDINATOR."""
+    token_file: str = ""
+    """File holding the coordinator's shared token; empty means $ELASTICRL_TOKEN if set."""
+    tls_ca: str = ""
+    """PEM CA bundle to verify a TLS coordinator; empty for plaintext."""
     barrier_timeout_s: float = 60.0
     """How long an iteration barrier waits for a member before evicting it, seconds."""
     call_timeout_s: float = 10.0
     """Deadline of one coordinator call, seconds."""
     reconnect_timeout_s: float = 60.0
     """How long to retry an unreachable coordinator (e.g. while it restarts), seconds."""
-    num_threads: int = 1
-    """torch intra-op threads per worker; 1 keeps several workers on a small machine from fighting."""
-    log_level: str = "INFO"
-    """Worker log level: DEBUG, INFO, WARNING or ERROR."""
 
     def __post_init__(self) -> None:
-        _check(self.iterations >= 1, f"run.iterations: {self.iterations} must be at least 1 (e.g. --run.iterations=30)")
-        _check(self.barrier_timeout_s > 0, f"run.barrier_timeout_s: {self.barrier_timeout_s} must be > 0 seconds")
-        _check(self.call_timeout_s > 0, f"run.call_timeout_s: {self.call_timeout_s} must be > 0 seconds")
-        _check(self.reconnect_timeout_s >= 0, f"run.reconnect_timeout_s: {self.reconnect_timeout_s} must be >= 0 seconds")
-        _check(self.num_threads >= 1, f"run.num_threads: {self.num_threads} must be at least 1")
-        levels = ("DEBUG", "INFO", "WARNING", "ERROR")
-        _check(self.log_level.upper() in levels, f"run.log_level: {self.log_level!r} is not one of {', '.join(levels)}")
         _check(
-            not self.coordinator or ":" in self.coordinator,
-            f"run.coordinator: {self.coordinator!r} must be HOST:PORT (e.g. 127.0.0.1:50051)",
+            not self.address or ":" in self.address,
+            f"coordinator.address: {self.address!r} must be HOST:PORT (e.g. 127.0.0.1:50051)",
+        )
+        _check(self.barrier_timeout_s > 0, f"coordinator.barrier_timeout_s: {self.barrier_timeout_s} must be > 0 seconds")
+        _check(self.call_timeout_s > 0, f"coordinator.call_timeout_s: {self.call_timeout_s} must be > 0 seconds")
+        _check(
+            self.reconnect_timeout_s >= 0,
+            f"coordinator.reconnect_timeout_s: {self.reconnect_timeout_s} must be >= 0 seconds",
         )
 
-    def resolved(self, env: Mapping[str, str] = os.environ) -> "RunConfig":
-        """A copy with run_id, coordinator and run_dir filled in from the environment."""
-        run_id = self.run_id or env.get(RUN_ID_ENV) or "local"
-        coordinator = self.coordinator or env.get(COORDINATOR_ENV, "")
+
+MODEL_KINDS = ("tiny", "hf")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """The policy: the built-in tiny transformer (trained from scratch) or a local HF checkpoint."""
+
+    kind: str = "tiny"
+    """tiny: elasticrl.policy.tiny with a character vocabulary (the demo); hf: any causal LM in an
+    HF directory (AutoModelForCausalLM + its tokenizer, loaded from local files only)."""
+    path: str = ""
+    """kind = hf: the HF model directory (config.json, weights, tokenizer). Nothing is downloaded."""
+    dtype: str = "float32"
+    """kind = hf: dtype the trainer loads the weights in (float32 keeps master weights exact;
+    use trainer.bf16 for bf16 compute)."""
+    d_model: int = 64
+    """kind = tiny: width of the residual stream."""
+    n_layers: int = 2
+    """kind = tiny: transformer blocks."""
+    n_heads: int = 4
+    """kind = tiny: attention heads; must divide d_model."""
+    max_seq_len: int = 64
+    """kind = tiny: longest prompt + completion, tokens."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in MODEL_KINDS, f"model.kind: {self.kind!r} must be one of {', '.join(MODEL_KINDS)}")
         _check(
-            bool(coordinator),
-            f"run.coordinator is not set: pass --run.coordinator=HOST:PORT or export {COORDINATOR_ENV}=HOST:PORT "
-            "(start one with `elasticrl coordinator`)",
+            self.kind != "hf" or bool(self.path),
+            "model.path: model.kind = hf needs the HF model directory (e.g. --model.path=/models/Qwen2.5-0.5B)",
         )
-        run_dir = self.run_dir or os.path.join("runs", run_id)
-        return dataclasses.replace(self, run_id=run_id, coordinator=coordinator, run_dir=run_dir)
+        _check(self.dtype in DTYPES, f"model.dtype: {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        _check(self.d_model >= 8, f"model.d_model: {self.d_model} must be at least 8")
+        _check(self.n_layers >= 1, f"model.n_layers: {self.n_layers} must be at least 1")
+        _check(
+            self.n_heads >= 1 and self.d_model % self.n_heads == 0,
+            f"model.n_heads: {self.n_heads} must divide model.d_model={self.d_model} (e.g. 4 for 64)",
+        )
+        _check(self.max_seq_len >= 4, f"model.max_seq_len: {self.max_seq_len} must be at least 4 tokens")
 
 
 @dataclasses.dataclass(kw_only=True)
 class TaskConfig:
-    """The toy task the policy is trained on (see ``elasticrl.rl.tasks``)."""
+    """The prompts the policy is trained on (see ``elasticrl.rl.tasks``)."""
 
     name: str = "reverse"
     """Task name from the registry in elasticrl.rl.tasks (copy, reverse, ...)."""
     num_digits: int = 4
     """Digits in each prompt."""
     prompts_per_iteration: int = 32
-    """Prompts per iteration across the whole world; each rank samples its share."""
+    """Prompts per iteration across the whole world (one scheduler task each)."""
     group_size: int = 8
     """Samples drawn per prompt (one GRPO group); advantages are normalized within a group."""
+    eval_prompts: int = 32
+    """Held-out prompts rolled out every run.eval_interval iterations (split "eval")."""
 
     def __post_init__(self) -> None:
         from elasticrl.rl.tasks import TASKS  # pure Python, cheap
@@ -110,29 +160,42 @@ class TaskConfig:
             self.group_size >= 2,
             f"task.group_size: {self.group_size} must be at least 2: a group of one has no baseline (try 8)",
         )
+        _check(self.eval_prompts >= 1, f"task.eval_prompts: {self.eval_prompts} must be at least 1")
+
+
+ENGINES = ("auto", "tiny", "hf", "vllm")
 
 
 @dataclasses.dataclass(kw_only=True)
-class PolicyConfig:
-    """The tiny causal transformer trained from scratch (see ``elasticrl.policy.tiny``)."""
+class EngineConfig:
+    """The inference engine that draws rollouts on every node (``elasticrl.rollout``)."""
 
-    d_model: int = 64
-    """Width of the residual stream."""
-    n_layers: int = 2
-    """Transformer blocks."""
-    n_heads: int = 4
-    """Attention heads; must divide d_model."""
-    max_seq_len: int = 64
-    """Longest prompt + completion, tokens."""
+    name: str = "auto"
+    """auto: tiny for model.kind = tiny, hf for model.kind = hf; tiny: samples from the trainer's own
+    module (no copy, no push); hf: transformers on CPU or GPU, its own copy of the weights, updated
+    in place after each update; vllm: vLLM on GPU (sleeps during the update, load_weights after)."""
+    device: str = ""
+    """Device of the engine's model: empty means the trainer's (cuda:<local_rank> with nccl, else cpu)."""
+    dtype: str = "float32"
+    """hf/vllm: dtype of the engine's weights (float32 gives logprobs the trainer reproduces exactly)."""
+    max_batch_rows: int = 64
+    """hf: most sequences decoded together."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per engine."""
+    sleep_during_update: bool = True
+    """vllm/hf on GPU: release the engine's memory while the trainer updates (sleep/wake)."""
 
     def __post_init__(self) -> None:
-        _check(self.d_model >= 8, f"policy.d_model: {self.d_model} must be at least 8")
-        _check(self.n_layers >= 1, f"policy.n_layers: {self.n_layers} must be at least 1")
+        _check(self.name in ENGINES, f"engine.name: {self.name!r} must be one of {', '.join(ENGINES)}")
+        _check(self.dtype in DTYPES, f"engine.dtype: {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        _check(self.max_batch_rows >= 1, f"engine.max_batch_rows: {self.max_batch_rows} must be at least 1")
         _check(
-            self.n_heads >= 1 and self.d_model % self.n_heads == 0,
-            f"policy.n_heads: {self.n_heads} must divide policy.d_model={self.d_model} (e.g. 4 for 64)",
+            0 < self.gpu_memory_utilization <= 1,
+            f"engine.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1] (e.g. 0.5)",
         )
-        _check(self.max_seq_len >= 4, f"policy.max_seq_len: {self.max_seq_len} must be at least 4 tokens")
+        _check(self.tensor_parallel_size >= 1, f"engine.tensor_parallel_size: {self.tensor_parallel_size} must be at least 1")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -157,6 +220,15 @@ class RolloutConfig:
     """Dynamic policy: backup copies of the last straggling tasks that idle engines may run."""
     seal_timeout_s: float = 600.0
     """How long the trainer waits for an iteration to seal before failing, seconds."""
+    presubmit: bool = True
+    """Submit the next iteration while this one updates (off the critical path; its tasks wait in
+    the engines until the new policy is pushed). Their task leases run meanwhile, so keep
+    task_lease_s above the update time, or turn this off; ignored with deadline_s."""
+    publish_weights: bool = True
+    """Rank 0 publishes every policy version to the coordinator, so rollout-only workers
+    (``elasticrl rollout``) can join at any time; off saves one upload per iteration."""
+    weights_wait_s: float = 300.0
+    """Rollout-only workers: how long to wait for the policy version a task needs, seconds."""
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, f"rollout.temperature: {self.temperature} must be > 0 (use 1.0)")
@@ -168,38 +240,103 @@ class RolloutConfig:
         _check(self.task_lease_s >= 0.001, f"rollout.task_lease_s: {self.task_lease_s} must be > 0 seconds")
         _check(self.backup_tasks >= 0, f"rollout.backup_tasks: {self.backup_tasks} must be >= 0")
         _check(self.seal_timeout_s > 0, f"rollout.seal_timeout_s: {self.seal_timeout_s} must be > 0 seconds")
+        _check(self.weights_wait_s > 0, f"rollout.weights_wait_s: {self.weights_wait_s} must be > 0 seconds")
 
 
 LOSSES = ("grpo_clip", "reinforce")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # elasticrl.rl.advantages.ADVANTAGES (a unit test keeps them equal)
+AGGREGATIONS = ("token", "sequence")
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainConfig:
-    """The policy update: objective, optimizer and distributed backend."""
+class AlgorithmConfig:
+    """The RL objective: advantages, policy loss, KL to the reference, rewards."""
 
     loss: str = "grpo_clip"
-    """grpo_clip: token-level clipped ratio objective (no KL); reinforce: plain policy gradient."""
+    """grpo_clip: clipped importance ratio against the rollout logprobs; reinforce: plain policy gradient."""
+    advantage: str = "grpo"
+    """grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: leave-one-out baseline."""
+    clip_eps: float = 0.2
+    """grpo_clip: the probability ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to a frozen copy of the initial policy; 0 keeps no reference."""
+    aggregation: str = "token"
+    """token: mean over every completion token of the global batch; sequence: mean per sample, then
+    over samples."""
+    rewards: list[str] = dataclasses.field(default_factory=list)
+    """Reward functions summed into the reward: registry names (exact_match, positional, format)
+    or a user's function as "package.module:function" or "path/to/file.py:function", called as
+    fn(prompt, completion, target) -> float. Empty: the task's own reward."""
+    reward_weights: list[float] = dataclasses.field(default_factory=list)
+    """Weights of ``rewards`` (same length); empty means 1.0 each."""
+
+    def __post_init__(self) -> None:
+        _check(self.loss in LOSSES, f"algorithm.loss: {self.loss!r} is not one of {', '.join(LOSSES)}")
+        _check(self.advantage in ADVANTAGES, f"algorithm.advantage: {self.advantage!r} is not one of {', '.join(ADVANTAGES)}")
+        _check(0 < self.clip_eps < 1, f"algorithm.clip_eps: {self.clip_eps} must be in (0, 1) (e.g. 0.2)")
+        _check(self.kl_coef >= 0, f"algorithm.kl_coef: {self.kl_coef} must be >= 0 (0 disables the KL term)")
+        _check(
+            self.aggregation in AGGREGATIONS,
+            f"algorithm.aggregation: {self.aggregation!r} is not one of {', '.join(AGGREGATIONS)}",
+        )
+        _check(
+            not self.reward_weights or len(self.reward_weights) == len(self.rewards),
+            f"algorithm.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards; "
+            "give one per reward or none",
+        )
+
+
+STRATEGIES = ("ddp", "deepspeed", "fsdp2")  # elasticrl.train.strategy.STRATEGY_NAMES
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    """The policy update: distributed strategy, optimizer, precision, and the supervised warm-up."""
+
+    strategy: str = "ddp"
+    """ddp: DistributedDataParallel; deepspeed: ZeRO (pip install 'elasticrl[deepspeed]'); fsdp2:
+    torch fully_shard per transformer block."""
+    zero_stage: int = 2
+    """deepspeed: 2 shards optimizer state and gradients, 3 also the parameters."""
+    bf16: bool = False
+    """bf16 compute on GPU (master weights stay fp32); CPU runs refuse it."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about a third more compute."""
+    deepspeed_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """deepspeed: extra DeepSpeed config keys merged over elasticrl's (a TOML table)."""
+    backend: str = "gloo"
+    """torch.distributed backend: gloo (CPU) or nccl (GPU)."""
     lr: float = 3e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     updates_per_iteration: int = 4
     """Optimizer steps on each iteration's rollouts (>1 reuses them; grpo_clip keeps that stable)."""
-    clip_eps: float = 0.2
-    """grpo_clip: the probability ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
     grad_clip_norm: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
-    backend: str = "gloo"
-    """torch.distributed backend: gloo (CPU) or nccl (GPU)."""
+    warmup_steps: int = 0
+    """Supervised steps on (prompt, target) pairs of the task before the first RL iteration of a
+    fresh run (not after a resume); 0 skips the warm-up."""
+    warmup_batch_size: int = 32
+    """Examples per warm-up step across the world."""
+    warmup_lr: float = 0.0
+    """Learning rate of the warm-up; 0 means trainer.lr."""
 
     def __post_init__(self) -> None:
-        _check(self.loss in LOSSES, f"train.loss: {self.loss!r} is not one of {', '.join(LOSSES)}")
-        _check(self.lr > 0, f"train.lr: {self.lr} must be > 0 (e.g. 3e-3)")
-        _check(self.weight_decay >= 0, f"train.weight_decay: {self.weight_decay} must be >= 0")
-        _check(self.updates_per_iteration >= 1, f"train.updates_per_iteration: {self.updates_per_iteration} must be at least 1")
-        _check(0 < self.clip_eps < 1, f"train.clip_eps: {self.clip_eps} must be in (0, 1) (e.g. 0.2)")
-        _check(self.grad_clip_norm >= 0, f"train.grad_clip_norm: {self.grad_clip_norm} must be >= 0 (0 disables)")
-        _check(self.backend in ("gloo", "nccl"), f"train.backend: {self.backend!r} must be gloo or nccl")
+        _check(self.strategy in STRATEGIES, f"trainer.strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        _check(self.zero_stage in (2, 3), f"trainer.zero_stage: {self.zero_stage} must be 2 or 3")
+        _check(self.lr > 0, f"trainer.lr: {self.lr} must be > 0 (e.g. 3e-3)")
+        _check(self.weight_decay >= 0, f"trainer.weight_decay: {self.weight_decay} must be >= 0")
+        _check(self.updates_per_iteration >= 1, f"trainer.updates_per_iteration: {self.updates_per_iteration} must be at least 1")
+        _check(self.grad_clip_norm >= 0, f"trainer.grad_clip_norm: {self.grad_clip_norm} must be >= 0 (0 disables)")
+        _check(self.backend in ("gloo", "nccl"), f"trainer.backend: {self.backend!r} must be gloo or nccl")
+        _check(
+            not (self.bf16 and self.backend == "gloo"),
+            "trainer.bf16: bf16 compute needs GPUs (trainer.backend = nccl); CPU runs train in fp32",
+        )
+        _check(self.warmup_steps >= 0, f"trainer.warmup_steps: {self.warmup_steps} must be >= 0 (0 skips the warm-up)")
+        _check(self.warmup_batch_size >= 1, f"trainer.warmup_batch_size: {self.warmup_batch_size} must be at least 1")
+        _check(self.warmup_lr >= 0, f"trainer.warmup_lr: {self.warmup_lr} must be >= 0 (0: trainer.lr)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -216,10 +353,37 @@ class CheckpointConfig:
     """Let local rank 0 of every node save (no shared filesystem), not only global rank 0."""
     resume: bool = True
     """Continue from the newest checkpoint any rank holds, broadcast from that rank."""
+    export_hf: str = ""
+    """model.kind = hf: after the last iteration write the policy as an HF model directory here
+    (relative paths are under run_dir); empty skips the export."""
 
     def __post_init__(self) -> None:
         _check(self.every_iterations >= 0, f"checkpoint.every_iterations: {self.every_iterations} must be >= 0")
         _check(self.keep_last >= 1, f"checkpoint.keep_last: {self.keep_last} must be at least 1")
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go: the console table and metrics.jsonl always; TensorBoard and W&B optionally."""
+
+    level: str = "INFO"
+    """Worker log level: DEBUG, INFO, WARNING or ERROR."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to <run_dir>/tensorboard (needs the tensorboard package)."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project (needs wandb and a login or WANDB_MODE=offline)."""
+    wandb_mode: str = "online"
+    """online, offline or disabled (wandb.init's mode)."""
+
+    def __post_init__(self) -> None:
+        _check(self.level.upper() in LOG_LEVELS, f"logging.level: {self.level!r} is not one of {', '.join(LOG_LEVELS)}")
+        _check(
+            self.wandb_mode in ("online", "offline", "disabled"),
+            f"logging.wandb_mode: {self.wandb_mode!r} must be online, offline or disabled",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -227,11 +391,51 @@ class NodeConfig:
     """Everything ``python -m elasticrl.node`` reads; each field is a TOML section."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    coordinator: CoordinatorSection = dataclasses.field(default_factory=CoordinatorSection)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        """Checks that span sections."""
+        engine, kind = self.engine.name, self.model.kind
+        _check(
+            engine in ("auto", "tiny") if kind == "tiny" else engine != "tiny",
+            f"engine.name: {engine!r} does not serve model.kind = {kind!r}; "
+            + ("the tiny model is served by engine tiny (or auto)" if kind == "tiny" else "use hf or vllm (or auto)"),
+        )
+        _check(
+            not self.checkpoint.export_hf or kind == "hf",
+            "checkpoint.export_hf: only model.kind = hf can be exported as an HF directory",
+        )
+
+    @property
+    def engine_name(self) -> str:
+        """The engine ``auto`` stands for."""
+        if self.engine.name != "auto":
+            return self.engine.name
+        return "tiny" if self.model.kind == "tiny" else "hf"
+
+    def resolved(self, env: Mapping[str, str] = os.environ) -> "NodeConfig":
+        """A copy with run.run_id, run.run_dir and coordinator.address filled in from the environment."""
+        run_id = self.run.run_id or env.get(RUN_ID_ENV) or "local"
+        address = self.coordinator.address or env.get(COORDINATOR_ENV, "")
+        _check(
+            bool(address),
+            f"coordinator.address is not set: pass --coordinator.address=HOST:PORT or export {COORDINATOR_ENV}=HOST:PORT "
+            "(start one with `elasticrl coordinator`)",
+        )
+        run_dir = self.run.run_dir or os.path.join("runs", run_id)
+        return dataclasses.replace(
+            self,
+            run=dataclasses.replace(self.run, run_id=run_id, run_dir=run_dir),
+            coordinator=dataclasses.replace(self.coordinator, address=address),
+        )
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -243,7 +447,19 @@ def _sections(cls: type) -> dict[str, type]:
 
 
 def _coerce(key: str, text: str, typ: Any) -> Any:
-    """Turn an override's text into the field's type."""
+    """Turn an override's text into the field's type (lists: comma-separated; tables: JSON)."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
+    if origin is dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: {text!r} is not a JSON object (e.g. '{{\"zero_optimization\": {{}}}}')")
+        return value
     if typ is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -261,6 +477,16 @@ def _coerce(key: str, text: str, typ: Any) -> Any:
 
 def _check_type(key: str, value: Any, typ: Any) -> Any:
     """Values from TOML: ints are fine where floats are expected, nothing else is converted."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a list of {item.__name__}")
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a table")
+        return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):

@@ -1,9 +1,10 @@
-"""``python -m elasticrl.demo`` (``make demo``): a local coordinator and N torchrun nodes train a
-tiny policy on CPU in about a minute, offline.
+"""``elasticrl run CONFIG`` / ``python -m elasticrl.demo`` (``make demo``): a local coordinator and
+N torchrun nodes train the policy of a node config; with the bundled ``elasticrl/configs/demo.toml``
+(the default) a tiny policy learns a toy task on CPU in about a minute, offline.
 
 It starts ``elasticrl coordinator`` on a free port, then one torchrun agent per simulated node
-(``--nproc-per-node=1``), each running ``python -m elasticrl.node``; streams rank 0's progress
-lines; and ends with a summary (reward before and after, checkpoint path). Every process it
+(``--nproc-per-node=1``), each running ``python -m elasticrl.node --config CONFIG``; streams rank
+0's progress lines; and ends with a summary (reward before and after, checkpoint path, plot). Every process it
 starts runs in its own session and is stopped by pid on exit, on failure and on Ctrl-C; workers
 that torchrun started in sessions of their own are found through /proc and stopped too.
 
@@ -26,12 +27,17 @@ import sys
 import threading
 import time
 
+from elasticrl import config as cfgmod  # pure Python: the demo process never imports torch
 from elasticrl.coordinator.launch import coordinator_command, wait_for_port
-from elasticrl.rl.tasks import TASKS  # pure Python: the demo process never imports torch
+from elasticrl.rl.tasks import TASKS
+
+BUNDLED_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo.toml")
 
 # Rank 0's progress table (elasticrl.train.loop NodeTrainer._report): a header, then one row per iteration.
 PROGRESS_RE = re.compile(r"^\[[#-]+\]\s+(\d+)/\d+ ")
 HEADER_RE = re.compile(r"^progress\s+iter\s")
+# Rank 0's own lines shown as they are: the warm-up's progress and the HF export.
+PLAIN_RE = re.compile(r"^(warm-up |exported )")
 # Worker log lines worth showing on the console (the rest goes to the node's log file).
 NOTABLE_RE = re.compile(r" (WARNING|ERROR|CRITICAL) node=| resumed from iteration ")
 NOTABLE_WIDTH = 200
@@ -39,15 +45,18 @@ COORDINATOR_START_S = 30
 STOP_GRACE_S = 10
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m elasticrl.demo",
-        description="Train a tiny policy with GRPO on CPU: a local coordinator plus N torchrun nodes.",
+        prog=prog,
+        description="Run a node config on this machine: a local coordinator plus N torchrun nodes "
+        "(default: the bundled demo, a tiny policy trained with GRPO on CPU).",
+        epilog="Node config overrides go after --, e.g. -- --trainer.lr=1e-3 --run.eval_interval=5",
     )
+    p.add_argument("--config", default=BUNDLED_CONFIG, metavar="FILE", help="node config, TOML (default: the bundled demo.toml)")
     p.add_argument("--nodes", type=int, default=2, help="torchrun agents (simulated nodes), one worker each (default: %(default)s)")
-    p.add_argument("--iterations", type=int, default=40, help="RL iterations (default: %(default)s)")
-    p.add_argument("--task", default="reverse", choices=sorted(TASKS), help="toy task (default: %(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="save a checkpoint every N iterations (default: %(default)s)")
+    p.add_argument("--iterations", type=int, help="RL iterations (default: the config's run.iterations)")
+    p.add_argument("--task", choices=sorted(TASKS), help="toy task (default: the config's task.name)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N iterations (default: the config's)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/demo-<timestamp>)")
     p.add_argument(
         "--rdzv-backend", choices=["auto", "elasticrl", "c10d"], default="auto",
@@ -185,6 +194,8 @@ def _stream(child: Child, demo: "Demo") -> None:
             elif progress:
                 demo.reported.append(int(progress.group(1)))
                 demo.say(line)
+            elif PLAIN_RE.match(line):
+                demo.say(line)
             elif NOTABLE_RE.search(line) and not demo.stopping.is_set():
                 shown = line if len(line) <= NOTABLE_WIDTH else line[: NOTABLE_WIDTH - 3] + "..."
                 demo.say(f"  [{child.name}] {shown}")
@@ -255,10 +266,8 @@ class Demo:
         if self.backend == "c10d":
             cmd.append(f"--rdzv-conf=is_host={'true' if k == 0 else 'false'}")
         cmd += [
-            "-m", "elasticrl.node",
-            f"--run.run_id={self.run_id}", f"--run.run_dir={self.run_dir}", f"--run.iterations={a.iterations}",
-            f"--task.name={a.task}", f"--checkpoint.every_iterations={a.checkpoint_every}",
-            *node_args,
+            "-m", "elasticrl.node", "--config", os.path.abspath(a.config),
+            f"--run.run_id={self.run_id}", f"--run.run_dir={self.run_dir}", *node_args,
         ]
         env = dict(self.env, ELASTICRL_NODE_NAME=f"node-{k}")  # all "nodes" share this host's name
         child = _spawn(f"node-{k}", cmd, os.path.join(self.logs, f"node-{k}.log"), env, pipe=True)
@@ -320,11 +329,23 @@ class Demo:
             reader.join(timeout=5)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def node_overrides(args: argparse.Namespace) -> list[str]:
+    """The shortcut flags as config overrides, then the user's own (later ones win)."""
+    shortcuts = [("run.iterations", args.iterations), ("task.name", args.task), ("checkpoint.every_iterations", args.checkpoint_every)]
+    return [f"--{key}={value}" for key, value in shortcuts if value is not None] + [a for a in args.node_args if a != "--"]
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error(f"--nodes: {args.nodes} must be at least 1")
+    node_args = node_overrides(args)
+    try:  # checked here, before any process starts, with the same parser the nodes use
+        config = cfgmod.load_config(args.config, cfgmod.parse_overrides(node_args))
+    except cfgmod.ConfigError as exc:
+        parser.error(str(exc))
+    args.iterations, args.task = config.run.iterations, config.task.name
     backend = args.rdzv_backend
     if backend == "auto":
         backend = "elasticrl" if plugin_available() else "c10d"
@@ -352,18 +373,24 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_endpoint = address if backend == "elasticrl" else f"127.0.0.1:{_free_port()}"
         fell_back = args.rdzv_backend == "auto" and backend == "c10d"
         note = "  (the elasticrl plugin is not installed; using torchrun's own)" if fell_back else ""
-        print(f"elasticrl demo: {args.nodes} node(s) learn to {args.task} digit strings with GRPO ({args.iterations} iterations, CPU)")
+        print(
+            f"elasticrl: {args.nodes} node(s) train a {config.model.kind} policy on task {args.task} with "
+            f"{config.algorithm.loss} ({args.iterations} iterations, {config.trainer.strategy}, engine {config.engine_name})"
+        )
+        print(f"  config       {args.config}")
         print(f"  run dir      {demo.run_dir}")
         print(f"  coordinator  {address}  (pid {coordinator.proc.pid}, log {coordinator.log_path})")
         print(f"  rendezvous   {backend} at {rdzv_endpoint}{note}")
-        node_args = [a for a in args.node_args if a != "--"]
         nodes = []
         for k in range(args.nodes):
             nodes.append(demo.start_node(k, rdzv_endpoint, node_args))
             print(f"  node-{k}       torchrun pid {nodes[-1].proc.pid}, log {nodes[-1].log_path}")
         demo.say("starting (the first iteration waits for every node to import torch and meet) ...")
         demo.watch(coordinator, nodes, deadline=started + args.timeout)
-        return _summarize(demo.run_dir, nodes, args.iterations, time.monotonic() - started, killed=args.kill_at > 0)
+        return _summarize(
+            demo.run_dir, nodes, args.iterations, time.monotonic() - started, killed=args.kill_at > 0,
+            checkpointed=config.run.rl_phase != "rollout",
+        )
     except KeyboardInterrupt:
         print("\nelasticrl demo: interrupted; stopping every process it started", file=sys.stderr)
         return 130
@@ -395,12 +422,14 @@ def _tail(path: str, lines: int = 25) -> str:
     return ""
 
 
-def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool) -> int:
-    """Print the outcome; 0 when the run reached its last iteration and saved a checkpoint of it,
-    and some node finished cleanly (a node killed by --kill-at is expected to die)."""
+def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool, checkpointed: bool = True) -> int:
+    """Print the outcome; 0 when the run reached its last iteration and saved a checkpoint of it
+    (a rollout-only phase saves none), and some node finished cleanly (a node killed by --kill-at
+    is expected to die)."""
     records = _metrics(run_dir)
     checkpoint = records[-1].get("checkpoint") if records else None
-    complete = bool(records) and records[-1]["iteration"] == iterations and bool(checkpoint) and os.path.isdir(checkpoint)
+    saved = bool(checkpoint) and os.path.isdir(checkpoint) if checkpointed else True
+    complete = bool(records) and records[-1]["iteration"] == iterations and saved
     clean = [n for n in nodes if n.proc.returncode == 0]
     for n in nodes:
         if n.proc.returncode != 0 and not (killed and n is nodes[-1]):
@@ -422,7 +451,10 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
         f"  (mean of the first / last {len(tail)} iterations)"
     )
     print(f"  exact match  {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples")
-    print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
+    if checkpoint:
+        print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
+    else:
+        print("  checkpoint   none (run.rl_phase = rollout trains nothing; its iterations wait for an update phase)")
     print(f"  metrics      {os.path.join(run_dir, 'metrics.jsonl')}")
     from elasticrl.plot import plot_rewards
 

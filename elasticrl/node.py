@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m elasticrl.node",
         description="RL node (one torchrun worker): rollout, rewards, GRPO update over torch.distributed.",
         epilog="Any config field can be overridden as --section.key=value, e.g. --run.iterations=40 "
-        "--train.lr=1e-3 --task.name=reverse. Sections: " + ", ".join(f.name for f in dataclasses.fields(cfgmod.NodeConfig)) + ".",
+        "--trainer.lr=1e-3 --task.name=reverse. Sections: " + ", ".join(f.name for f in dataclasses.fields(cfgmod.NodeConfig)) + ".",
     )
     p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value overrides it")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
@@ -41,7 +41,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, cfgmod.NodeConfig
     args, rest = parser.parse_known_args(argv)
     try:
         config = cfgmod.load_config(args.config, cfgmod.parse_overrides(rest))
-        config.run = config.run.resolved()
+        config = config.resolved()
     except cfgmod.ConfigError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
     return args, config
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(logctx)
-    logging.basicConfig(level=config.run.log_level.upper(), handlers=[handler], force=True)
+    logging.basicConfig(level=config.logging.level.upper(), handlers=[handler], force=True)
     try:
         # A dead peer fails our collectives (or our barrier) before torchrun notices; park the
         # worker so the agent's membership-driven restart wins and --max-restarts is not spent.

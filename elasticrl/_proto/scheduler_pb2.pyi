@@ -337,3 +337,43 @@ class FetchShardResponse(_message.Message):
     total_groups: int
     total_tokens: int
     def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., total_groups: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("run_id", "version", "total_bytes", "offset", "data", "sha256", "format")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    total_bytes: int
+    offset: int
+    data: bytes
+    sha256: str
+    format: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
+
+class PublishWeightsReply(_message.Message):
+    __slots__ = ("version", "total_bytes", "sha256", "created")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    total_bytes: int
+    sha256: str
+    created: bool
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class FetchWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "have_version", "wait_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    have_version: int
+    wait_s: float
+    def __init__(self, run_id: _Optional[str] = ..., have_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...

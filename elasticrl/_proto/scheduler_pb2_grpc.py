@@ -59,6 +59,16 @@ class SchedulerStub:
                 request_serializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchShardRequest.SerializeToString,
                 response_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchShardResponse.FromString,
                 _registered_method=True)
+        self.PublishWeights = channel.stream_unary(
+                '/elasticrl.v1.Scheduler/PublishWeights',
+                request_serializer=elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.SerializeToString,
+                response_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.PublishWeightsReply.FromString,
+                _registered_method=True)
+        self.FetchWeights = channel.unary_stream(
+                '/elasticrl.v1.Scheduler/FetchWeights',
+                request_serializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchWeightsRequest.SerializeToString,
+                response_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -96,6 +106,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishWeights(self, request_iterator, context):
+        """The trainer uploads a run's new policy version as a stream of chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchWeights(self, request, context):
+        """The newest version if newer than have_version (waiting up to wait_s for one), as chunks that
+        all carry run_id, version, total_bytes, sha256 and format; an empty stream if there is none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +148,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.FetchShard,
                     request_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchShardRequest.FromString,
                     response_serializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchShardResponse.SerializeToString,
+            ),
+            'PublishWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishWeights,
+                    request_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.FromString,
+                    response_serializer=elasticrl_dot___proto_dot_scheduler__pb2.PublishWeightsReply.SerializeToString,
+            ),
+            'FetchWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchWeights,
+                    request_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchWeightsRequest.FromString,
+                    response_serializer=elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +295,60 @@ class Scheduler:
             '/elasticrl.v1.Scheduler/FetchShard',
             elasticrl_dot___proto_dot_scheduler__pb2.FetchShardRequest.SerializeToString,
             elasticrl_dot___proto_dot_scheduler__pb2.FetchShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/elasticrl.v1.Scheduler/PublishWeights',
+            elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.SerializeToString,
+            elasticrl_dot___proto_dot_scheduler__pb2.PublishWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/elasticrl.v1.Scheduler/FetchWeights',
+            elasticrl_dot___proto_dot_scheduler__pb2.FetchWeightsRequest.SerializeToString,
+            elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from elasticrl.coordinator import policy
+from elasticrl.coordinator.metrics import Metrics
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.state import (
     Barrier,
@@ -93,6 +94,7 @@ class CoordinatorCore:
         lease_ttl_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits | None = None,
+        metrics: Metrics | None = None,
     ):
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
@@ -101,6 +103,8 @@ class CoordinatorCore:
         self.clock = clock
         self.limits = limits or Limits()
         self.started_at = clock()
+        # Counted into whether or not an endpoint serves it (a few dict updates per decision).
+        self.metrics = metrics if metrics is not None else Metrics(clock)
         self.runs: dict[str, Run] = db.load(clock())
         self._barrier_events: dict[tuple[str, str], asyncio.Event] = {}
         # Per open barrier, a superset of the expected members that are live and have not arrived
@@ -198,8 +202,10 @@ class CoordinatorCore:
             db.put_member(run_id, member)
         if replaced:
             self._mark_gone(run, old, MemberStatus.EVICTED, f"replaced by incarnation {incarnation}")
+            self.metrics.evictions.inc(run=run_id, reason="replaced")
         run.epoch = epoch
         run.members[member_id] = member
+        self.metrics.joins.inc(run=run_id)
         log.info(
             "run %s: member %s joined (incarnation %d, host %s, weight %g) -> epoch %d, %d live",
             run_id, member_id, incarnation, host or "?", weight, epoch, len(run.live_members()),
@@ -222,6 +228,7 @@ class CoordinatorCore:
         run = self._run(run_id)
         m = self._fence(run, member_id, incarnation)
         self._remove(run, m, MemberStatus.LEFT, reason or "left")
+        self.metrics.leaves.inc(run=run_id)
         return run.epoch
 
     def _remove(self, run: Run, m: Member, status: MemberStatus, reason: str) -> None:
@@ -266,6 +273,7 @@ class CoordinatorCore:
         for run in list(self.runs.values()):
             for m in policy.expired_members(run, now):
                 self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")
+                self.metrics.evictions.inc(run=run.run_id, reason="lease_expired")
             for barrier in list(run.open_barriers.values()):
                 if now >= barrier.deadline:
                     self._decide_barrier(run, barrier)
@@ -345,6 +353,8 @@ class CoordinatorCore:
             db.delete_arrivals(run.run_id, barrier.name)
         barrier.result = decision.result
         run.open_barriers.pop(barrier.name, None)
+        self.metrics.barriers_decided.inc(run=run.run_id, outcome=decision.result.outcome.value)
+        self.metrics.barrier_wait.observe(self.clock() - barrier.opened_at, run=run.run_id)
         self._not_arrived.pop((run.run_id, barrier.name), None)
         if decision.result.outcome is Outcome.TIMED_OUT or decision.result.evicted:
             log.warning("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
@@ -362,6 +372,7 @@ class CoordinatorCore:
             db.put_run(run, epoch=run.epoch + 1)
         run.epoch += 1
         self._mark_gone(run, m, MemberStatus.EVICTED, reason)
+        self.metrics.evictions.inc(run=run.run_id, reason="missed_barrier")
 
     # -- key-value store ---------------------------------------------------------------------
 
@@ -561,6 +572,7 @@ class CoordinatorCore:
                 "run %s: round %d complete with %d node(s) [%s]: %s",
                 run.run_id, rdzv.round, len(participants), ", ".join(m for m, _ in participants), decision.reason,
             )
+        self.metrics.rounds.inc(run=run.run_id, outcome=decision.action)
         self._waiting_changed(run)
         self._notify_round(run.run_id)
 

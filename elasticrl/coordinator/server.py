@@ -3,7 +3,8 @@
 It binds to 127.0.0.1 unless told otherwise, serves the standard gRPC health service, checks a
 shared token when ``--token-file`` is given, uses TLS when ``--tls-cert/--tls-key`` are, ticks the
 core (lease expiry, barrier and round deadlines) every ``tick_s``, and shuts down cleanly on
-SIGTERM/SIGINT.
+SIGTERM/SIGINT. With ``--metrics-port`` it also serves Prometheus metrics over HTTP
+(``coordinator.metrics``) from the same event loop.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from elasticrl.coordinator.core import CoordinatorCore, Limits
+from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
 from elasticrl.scheduler import service as scheduler_service
 from elasticrl.scheduler.core import SchedulerCore
 from elasticrl.scheduler.store import TrajectoryStore
+from elasticrl.scheduler.weights import DIR_NAME as WEIGHTS_DIR, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +80,21 @@ class CoordinatorConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """Largest gRPC message accepted or sent, bytes (trajectory batches are the big ones);
     workers must batch below it (``RolloutWorker(max_message_bytes=...)``)."""
+    metrics_port: int | None = None
+    """TCP port of the Prometheus endpoint (``GET /metrics``, ``GET /healthz``); None: no endpoint,
+    0: a free one (written to ``metrics_port_file``). It does not check the token: keep it internal."""
+    metrics_host: str | None = None
+    """Interface of the metrics endpoint; None: the same as ``host``."""
+    metrics_port_file: str | None = None
+    """Write the bound metrics port here once it serves (atomically, before ``port_file``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is not a TCP port (0-65535)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port (0-65535; 0 picks a free one)")
+        if self.metrics_port_file is not None and self.metrics_port is None:
+            raise ValueError("metrics_port_file: needs metrics_port (pass --metrics-port, 0 for a free one)")
         if self.lease_ttl_s < 0.1:
             raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s is too short; use at least 0.1 s")
         if not 0.001 <= self.tick_s <= self.lease_ttl_s:
@@ -136,6 +150,24 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+class RpcCountInterceptor(grpc.aio.ServerInterceptor):
+    """Count received calls per method into ``Metrics.rpcs``. It must be the innermost interceptor:
+    then its continuation is the server's own handler lookup, which finds nothing for a method the
+    server does not serve, and such calls count as ``unknown``. So the label set stays the served
+    methods whatever names a caller (with or without the token) sends."""
+
+    def __init__(self, metrics: Metrics):
+        self._rpcs = metrics.rpcs
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        service, _, method = details.method.lstrip("/").partition("/")
+        if handler is None or not method:
+            service = method = "unknown"
+        self._rpcs.inc(service=service, method=method)
+        return handler
+
+
 class CoordinatorServer:
     """Owns the gRPC server, the core and the tick task. ``start`` then ``wait_closed`` or ``stop``."""
 
@@ -149,11 +181,23 @@ class CoordinatorServer:
         self.core = CoordinatorCore(self.db, lease_ttl_s=config.lease_ttl_s, limits=limits)
         token = config.read_token()
         interceptors = [TokenInterceptor(token)] if token else []
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        if config.metrics_port is not None:
+            # Last, so innermost: it sees the real handler lookup (see RpcCountInterceptor).
+            interceptors.append(RpcCountInterceptor(self.core.metrics))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         add_to_server(CoordinatorServicer(self.core), self.server)
         trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)
         self.scheduler = SchedulerCore(self.core, TrajectoryStore(trajectories, fsync=config.fsync))
-        scheduler_service.add_to_server(scheduler_service.SchedulerServicer(self.scheduler), self.server)
+        weights_dir = None if config.state_dir is None else os.path.join(config.state_dir, WEIGHTS_DIR)
+        self.weights = WeightStore(weights_dir, fsync=config.fsync)
+        scheduler_service.add_to_server(scheduler_service.SchedulerServicer(
+            self.scheduler, weights=self.weights, max_message_bytes=config.max_message_bytes), self.server)
+        if config.metrics_port is not None:
+            self.core.metrics.watch(self.core, self.scheduler)
+            self.metrics_endpoint = MetricsEndpoint(
+                self.core.metrics, config.metrics_host or config.host, config.metrics_port
+            )
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{config.host}:{config.port}"
@@ -174,14 +218,17 @@ class CoordinatorServer:
         return f"{self.config.host}:{self.port}"
 
     async def start(self) -> None:
+        if self.metrics_endpoint is not None:  # first: a port clash fails before gRPC serves
+            await self.metrics_endpoint.start()
+            if self.config.metrics_port_file:
+                write_port_file(self.config.metrics_port_file, self.metrics_endpoint.port)
+            log.info("metrics on http://%s/metrics (no token check)", self.metrics_endpoint.address)
         await self.server.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
         if self.config.port_file:
-            tmp = f"{self.config.port_file}.tmp"
-            pathlib.Path(tmp).write_text(f"{self.port}\n")
-            os.replace(tmp, self.config.port_file)
+            write_port_file(self.config.port_file, self.port)
         log.info(
             "elasticrl coordinator serving on %s (%s, lease ttl %.3fs, state %s%s)",
             self.address,
@@ -206,6 +253,8 @@ class CoordinatorServer:
         self._stopped.set()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.stop()
         if self._tick_task is not None:
             self._tick_task.cancel()
             try:
@@ -217,6 +266,13 @@ class CoordinatorServer:
 
     async def wait_closed(self) -> None:
         await self._stopped.wait()
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write ``port`` to ``path`` atomically: a reader sees no file or the whole number."""
+    tmp = f"{path}.tmp"
+    pathlib.Path(tmp).write_text(f"{port}\n")
+    os.replace(tmp, path)
 
 
 async def serve(config: CoordinatorConfig) -> None:

@@ -460,8 +460,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
 def _parsing(impl, request_cls, kind: str):
     """Wrap ``impl`` so undecodable bytes get INVALID_ARGUMENT naming the message type, rather
-    than gRPC's default UNKNOWN. ``kind``: "unary", "server_stream" or "bidi" (for a request
-    stream, each message is parsed as it comes and the first undecodable one ends the call)."""
+    than gRPC's default UNKNOWN. ``kind``: "unary", "server_stream", "client_stream" or "bidi" (for
+    a request stream, each message is parsed as it comes and the first undecodable one ends the call)."""
 
     async def parse(raw: bytes, context):
         try:
@@ -483,6 +483,17 @@ def _parsing(impl, request_cls, kind: str):
                 yield item
 
         return bidi_handler
+
+    if kind == "client_stream":
+
+        async def client_stream_handler(raw_requests, context):
+            async def requests():
+                async for raw in raw_requests:
+                    yield await parse(raw, context)
+
+            return await impl(requests(), context)
+
+        return client_stream_handler
 
     if kind == "server_stream":
 
@@ -525,6 +536,6 @@ def add_service(servicer, server: grpc.aio.Server, module, name: str) -> None:
         elif not method.client_streaming:
             handler = grpc.unary_unary_rpc_method_handler(_parsing(impl, request_cls, "unary"), response_serializer=serialize)
         else:
-            raise NotImplementedError(f"{method.name}: client-streaming RPCs have no handler wrapper yet")
+            handler = grpc.stream_unary_rpc_method_handler(_parsing(impl, request_cls, "client_stream"), response_serializer=serialize)
         handlers[method.name] = handler
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticrl.config import PolicyConfig
+from elasticrl.config import ModelConfig
 
 
 class Block(nn.Module):
@@ -37,7 +37,7 @@ class Block(nn.Module):
 
 
 class TinyCausalLM(nn.Module):
-    def __init__(self, config: PolicyConfig, vocab_size: int):
+    def __init__(self, config: ModelConfig, vocab_size: int):
         super().__init__()
         self.config = config
         self.vocab_size = vocab_size

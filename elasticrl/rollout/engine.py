@@ -254,6 +254,7 @@ def _import_factory(module: str, cls: str) -> EngineFactory:
 
 _REGISTRY: dict[str, EngineFactory] = {
     "hf": _import_factory("elasticrl.rollout.hf", "HFEngine"),
+    "tiny": _import_factory("elasticrl.rollout.tiny_engine", "TinyEngine"),
     "vllm": _import_factory("elasticrl.rollout.vllm_engine", "VLLMEngine"),
 }
 

@@ -4,11 +4,14 @@ ranks (fetch their shard of a sealed iteration).
 A ``CoordinatorClient`` with the Scheduler calls added: same channel, token, TLS, deadlines,
 retries on UNAVAILABLE, and errors mapped once by ``codes``. Waiting for a seal is a chain of
 short server-side waits, so a coordinator restart in the middle costs one retried call; a fetch
-that breaks is retried from the start (it is a read).
+that breaks is retried from the start (it is a read). Policy weights go up and come back as
+streams of 4 MiB chunks; a publish that breaks is sent again whole (re-publishing the same
+version and bytes is an idempotent success).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -20,9 +23,14 @@ from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.client import CoordinatorClient
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
-from elasticrl.errors import CoordinatorTimeoutError, InvalidRequestError
+from elasticrl.errors import CoordinatorTimeoutError, InternalError, InvalidRequestError
 from elasticrl.scheduler.convert import POLICY_TO_PB, SPLIT_TO_PB, fetched_from_pb, manifest_from_pb, task_to_pb
 from elasticrl.scheduler.state import FetchedGroup, Policy, Split, TaskSpec
+from elasticrl.scheduler.weights import CHUNK_BYTES, FORMAT
+
+# Default deadline for moving one weights blob either way, on top of any wait (pass timeout_s for
+# blobs that take longer on a slow link: 16 GiB at 100 MB/s is about 170 s).
+WEIGHTS_TRANSFER_TIMEOUT_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +136,115 @@ class SchedulerClient(CoordinatorClient):
             return retrying(once)
         except grpc.RpcError as err:
             raise codes.error_from_rpc(err, self.address) from None
+
+    # -- policy weights ------------------------------------------------------------------------
+
+    def _retrying(self) -> tenacity.Retrying:
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(codes.is_retryable),
+            wait=wire.retry_wait(),
+            stop=tenacity.stop_after_delay(self.reconnect_timeout_s),
+            reraise=True,
+        )
+
+    def publish_weights(
+        self,
+        run_id: str,
+        version: int,
+        blob: bytes,
+        *,
+        timeout_s: float | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        """Publish ``blob`` (a safetensors file, e.g. ``weights.pack_state_dict(model.state_dict())``)
+        as ``version`` of the run's policy; returns once the coordinator has verified and stored it.
+
+        ``FencedError`` if the coordinator already holds ``version`` or a newer one (the same
+        version with the same bytes is fine: a retry). ``InvalidRequestError`` if the upload was
+        refused as malformed, ``ResourceLimitError`` if it is over the coordinator's size limit.
+        ``timeout_s`` bounds one attempt (default ``WEIGHTS_TRANSFER_TIMEOUT_S``); an unreachable
+        coordinator is retried, sending everything again, for ``reconnect_timeout_s``.
+        """
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"blob: {type(blob).__name__} is not bytes; pass pack_state_dict(state)")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: {chunk_bytes} must be >= 1")
+        view = memoryview(blob).cast("B")
+        digest = hashlib.sha256(view).hexdigest()
+        deadline = timeout_s or max(self.call_timeout_s, WEIGHTS_TRANSFER_TIMEOUT_S)
+
+        def chunks():
+            for offset in range(0, max(view.nbytes, 1), chunk_bytes):
+                yield spb.WeightChunk(
+                    run_id=run_id, version=version, total_bytes=view.nbytes, offset=offset,
+                    data=bytes(view[offset:offset + chunk_bytes]), sha256=digest, format=FORMAT,
+                )
+
+        def once() -> spb.PublishWeightsReply:
+            return self._sched.PublishWeights(chunks(), timeout=deadline, metadata=self._metadata)
+
+        try:
+            reply = self._retrying()(once)
+        except grpc.RpcError as err:
+            raise codes.error_from_rpc(err, self.address) from None
+        log.debug("weights of run %s: version %d published (%d bytes, new=%s)", run_id, version, view.nbytes, reply.created)
+
+    def fetch_weights(
+        self,
+        run_id: str,
+        have_version: int = -1,
+        wait_s: float = 0.0,
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[int, bytes] | None:
+        """The run's newest weights as ``(version, blob)`` if newer than ``have_version`` (-1:
+        none held), waiting up to ``wait_s`` seconds for one to be published; None if none comes.
+
+        The wait is a chain of server-side waits of at most ``MAX_WAIT_CHUNK_S`` each, so a
+        coordinator restart costs one retried call; every call's deadline is its wait plus
+        ``DEADLINE_SLACK_S`` plus ``timeout_s`` for the transfer (default
+        ``WEIGHTS_TRANSFER_TIMEOUT_S``). The blob is checked against its size and sha256.
+        """
+        if not 0 <= wait_s < float("inf"):
+            raise ValueError(f"wait_s: {wait_s!r} must be a finite number of seconds >= 0")
+        transfer_s = timeout_s or max(self.call_timeout_s, WEIGHTS_TRANSFER_TIMEOUT_S)
+        give_up = time.monotonic() + wait_s
+
+        def once() -> tuple[int, bytes] | None:
+            chunk_wait = max(0.0, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            request = spb.FetchWeightsRequest(run_id=run_id, have_version=have_version, wait_s=chunk_wait)
+            stream = self._sched.FetchWeights(
+                request, timeout=chunk_wait + DEADLINE_SLACK_S + transfer_s, metadata=self._metadata
+            )
+            return _assemble(run_id, stream)
+
+        while True:
+            try:
+                result = self._retrying()(once)
+            except grpc.RpcError as err:
+                raise codes.error_from_rpc(err, self.address) from None
+            if result is not None or time.monotonic() >= give_up:
+                return result
+
+
+def _assemble(run_id: str, stream) -> tuple[int, bytes] | None:
+    """Join a FetchWeights stream into ``(version, blob)``; None for an empty stream."""
+    first, parts, received = None, [], 0
+    for chunk in stream:
+        if first is None:
+            first = chunk
+        elif (chunk.version, chunk.total_bytes, chunk.sha256) != (first.version, first.total_bytes, first.sha256):
+            raise InternalError(f"weights of run {run_id!r}: the coordinator switched blobs mid-stream (a bug)")
+        if chunk.offset != received:
+            raise InternalError(f"weights of run {run_id!r}: chunk at offset {chunk.offset}, expected {received}")
+        parts.append(chunk.data)
+        received += len(chunk.data)
+    if first is None:
+        return None
+    blob = b"".join(parts)
+    if received != first.total_bytes or hashlib.sha256(blob).hexdigest() != first.sha256:
+        raise InternalError(
+            f"weights of run {run_id!r} version {first.version}: received {received} of {first.total_bytes} "
+            "bytes or a wrong sha256; fetch again"
+        )
+    return first.version, blob

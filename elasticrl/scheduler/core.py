@@ -102,6 +102,7 @@ class SchedulerCore:
     ):
         self.coord = coord
         self.clock = coord.clock
+        self.metrics = coord.metrics  # one registry per coordinator process
         self.db = SchedulerDB(coord.db)
         self.store = store
         self.iterations: dict[str, dict[int, Iteration]] = collections.defaultdict(dict)
@@ -273,6 +274,7 @@ class SchedulerCore:
         it.counters.requeued += 1
         it.queue.appendleft(task.spec.task_id)
         self.db.put_requeue(it, task)
+        self.metrics.requeued.inc(run=it.run_id)
         log.debug("run %s iteration %d: task %s requeued (%s)", it.run_id, it.iteration, task.spec.task_id, why)
         return 1
 
@@ -364,6 +366,7 @@ class SchedulerCore:
             task = it.tasks.get(group.task_id) if it is not None else None
             if task is None:
                 refused.append((iteration, group.task_id, "unknown"))
+                self.metrics.refused.inc(run=conn.run_id, reason="unknown")
                 continue
             task.holders.pop(worker.member_id, None)
             touched.add(iteration)
@@ -377,6 +380,7 @@ class SchedulerCore:
             if reason:
                 refused.append((iteration, group.task_id, reason))
                 it.node(worker.member_id).refused += 1
+                self.metrics.refused.inc(run=conn.run_id, reason=reason)
                 continue
             group.node = worker.member_id
             fresh[iteration].append(group)
@@ -396,6 +400,9 @@ class SchedulerCore:
                     self._complete(it, it.tasks[g.task_id], g, shard, now)
                 db.put_counters(it)
             accepted += len(batch)
+            if batch:
+                self.metrics.accepted.inc(len(batch), run=conn.run_id)
+                self.metrics.trajectory_bytes.inc(sum(g.num_bytes for g in batch), run=conn.run_id)
             self._maybe_seal(it)
         if fenced and groups:
             log.info("run %s: refused %d result(s) from fenced worker %s (incarnation %d)",
@@ -463,6 +470,8 @@ class SchedulerCore:
         it.sealed_at, it.seal_reason = now, reason
         with self.db.tx() as db:
             db.put_seal(it, now - it.submitted_at)
+        self.metrics.sealed.inc(run=it.run_id)
+        self.metrics.seal_time.observe(now - it.submitted_at, run=it.run_id)
         for task in dropped:
             task.status = TaskStatus.DROPPED
             task.holders.clear()

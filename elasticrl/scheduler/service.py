@@ -2,7 +2,8 @@
 
 Errors map exactly as in the coordinator's servicer (``coordinator.service.guarded``). The Work
 stream has one reader task (hello, results, releases) and one writer (this generator draining the
-worker's outbox), like the coordinator's Session stream.
+worker's outbox), like the coordinator's Session stream. PublishWeights and FetchWeights move a
+run's policy weights in and out of the ``WeightStore`` (``weights.py``) in chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from elasticrl._proto import scheduler_pb2 as spb
 from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
 from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.service import abort_with, add_service, guarded
+from elasticrl.coordinator.wire import MAX_MESSAGE_BYTES
 from elasticrl.errors import InternalError, InvalidRequestError
 from elasticrl.scheduler.core import Ack, Assign, Cancel, End, SchedulerCore, WorkerConn
 from elasticrl.scheduler.convert import (
@@ -29,6 +31,7 @@ from elasticrl.scheduler.convert import (
     task_to_pb,
 )
 from elasticrl.scheduler.state import IterationConfig
+from elasticrl.scheduler.weights import CHUNK_BYTES, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,9 @@ MAX_TASKS = 100_000
 MAX_SLOTS = 4096
 DEFAULT_FETCH_MESSAGE_BYTES = 4 << 20
 HELLO_TIMEOUT_S = 30.0
+MAX_WEIGHTS_WAIT_S = 60.0
+# Chunks this large are copied and hashed in a worker thread, off the event loop.
+THREADED_CHUNK_BYTES = 1 << 20
 
 def _out_message(item) -> spb.WorkResponse:
     if isinstance(item, Assign):
@@ -54,8 +60,11 @@ def _out_message(item) -> spb.WorkResponse:
 
 
 class SchedulerServicer(spb_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore):
+    def __init__(self, core: SchedulerCore, *, weights: WeightStore | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.core = core
+        self.weights = weights if weights is not None else WeightStore(None)
+        # What FetchWeights sends per message: 4 MiB, or less under a small --max-message-mb.
+        self.weight_chunk_bytes = min(CHUNK_BYTES, max_message_bytes // 2)
 
     @guarded
     async def SubmitIteration(self, request: spb.SubmitIterationRequest, context) -> spb.SubmitIterationResponse:
@@ -129,6 +138,51 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         if batch or first:
             yield spb.FetchShardResponse(groups=batch, total_groups=len(groups) if first else 0,
                                          total_tokens=total_tokens if first else 0)
+
+    @guarded
+    async def PublishWeights(self, chunks, context) -> spb.PublishWeightsReply:
+        """One blob as a stream of chunks: see PublishWeights in scheduler.proto."""
+        upload, i = None, 0
+        async for c in chunks:
+            if upload is None:  # a stale version or an oversized blob is refused before any transfer
+                upload = self.weights.begin(
+                    run_id=c.run_id, version=c.version, total_bytes=c.total_bytes, sha256=c.sha256, format=c.format
+                )
+            else:
+                upload.check_header(i, run_id=c.run_id, version=c.version, total_bytes=c.total_bytes, sha256=c.sha256, format=c.format)
+            if len(c.data) >= THREADED_CHUNK_BYTES:
+                await asyncio.to_thread(upload.add, i, c.offset, c.data)
+            else:
+                upload.add(i, c.offset, c.data)
+            i += 1
+        if upload is None:
+            raise InvalidRequestError("chunks: the stream ended before its first WeightChunk; send at least one")
+        blob = upload.finish()
+        created = await self.weights.commit(blob)
+        return spb.PublishWeightsReply(version=blob.version, total_bytes=blob.total_bytes, sha256=blob.sha256, created=created)
+
+    async def FetchWeights(self, request: spb.FetchWeightsRequest, context):
+        try:
+            run_id = v.ident("run_id", request.run_id)
+            if request.have_version < -1:
+                raise InvalidRequestError(f"have_version: {request.have_version} must be >= -1 (-1: no weights held yet)")
+            wait_s = request.wait_s
+            if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_WEIGHTS_WAIT_S:
+                raise InvalidRequestError(
+                    f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)"
+                )
+            blob = await self.weights.wait_newer(run_id, request.have_version, wait_s)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await abort_with(context, exc)
+            return
+        if blob is None:  # nothing newer within wait_s: an empty stream
+            return
+        step = self.weight_chunk_bytes
+        for offset in range(0, blob.total_bytes, step):
+            yield spb.WeightChunk(
+                run_id=blob.run_id, version=blob.version, total_bytes=blob.total_bytes, offset=offset,
+                data=bytes(blob.data[offset:offset + step]), sha256=blob.sha256, format=blob.format,
+            )
 
     async def Work(self, requests, context):
         """One engine's stream: see the Work RPC in scheduler.proto."""

@@ -5,6 +5,7 @@ Layout of one checkpoint (``<dir>/iter-000010/``)::
     model.safetensors       policy weights (state_dict names)
     optimizer.safetensors   optimizer tensors, keyed "state.<param index>.<name>"
     meta.json               iteration, world size, config, optimizer param_groups and scalar state
+    reference.safetensors   the frozen KL reference policy (only when algorithm.kl_coef > 0)
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so a directory
 named ``iter-*`` is always complete: a crash mid-save leaves only a ``.tmp-*`` directory that a
@@ -32,6 +33,7 @@ FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 META_FILE = "meta.json"
+REFERENCE_FILE = "reference.safetensors"
 _DIR_RE = re.compile(r"iter-(\d+)")
 
 
@@ -42,6 +44,8 @@ class Checkpoint:
     optimizer_tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
     """meta.json as written; ``meta["optimizer"]`` holds the optimizer's non-tensor state."""
+    reference: dict[str, torch.Tensor] | None = None
+    """The KL reference policy's weights, when the run keeps one."""
 
     @property
     def optimizer(self) -> dict[str, Any]:
@@ -92,6 +96,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     *,
     keep_last: int,
+    reference: dict[str, torch.Tensor] | None = None,
 ) -> str:
     """Write checkpoint ``iteration`` under ``root`` and prune to the newest ``keep_last``; returns its path."""
     os.makedirs(root, exist_ok=True)
@@ -102,6 +107,8 @@ def save_checkpoint(
     opt_tensors, opt_rest = flatten_optimizer(optimizer_state)
     save_file(model_state, os.path.join(tmp, MODEL_FILE))
     save_file(opt_tensors, os.path.join(tmp, OPTIMIZER_FILE))
+    if reference is not None:
+        save_file(reference, os.path.join(tmp, REFERENCE_FILE))
     full_meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta, "optimizer": opt_rest}
     with open(os.path.join(tmp, META_FILE), "w") as f:
         json.dump(full_meta, f, indent=2, sort_keys=True)
@@ -147,6 +154,7 @@ def load_checkpoint(path: str) -> Checkpoint:
         model=load_file(os.path.join(path, MODEL_FILE)),
         optimizer_tensors=load_file(os.path.join(path, OPTIMIZER_FILE)),
         meta=meta,
+        reference=load_file(ref) if os.path.exists(ref := os.path.join(path, REFERENCE_FILE)) else None,
     )
 
 

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import ipaddress
 import json
+import logging
 import os
+import socket
+import struct
+import sys
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +51,43 @@ def init_process_group(backend: str, world: WorldInfo, timeout_s: float) -> None
         # Started without torchrun: a one-rank group on an in-memory store keeps the code path the same.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = interface_towards(os.environ.get("MASTER_ADDR", ""))
+        if ifname:
+            # Gloo otherwise binds to the address the hostname resolves to, which on many hosts (and
+            # in network namespaces) is a loopback address the other nodes cannot reach.
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+            log.info("gloo uses interface %s (the route to MASTER_ADDR %s); set GLOO_SOCKET_IFNAME to choose another",
+                     ifname, os.environ["MASTER_ADDR"])
     dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+
+
+def interface_towards(address: str) -> str | None:
+    """Linux: the name of the local interface the kernel routes ``address`` through; None when it
+    is a loopback address, unresolvable, or not on Linux (then gloo's own choice stands)."""
+    if not address or not sys.platform.startswith("linux"):
+        return None
+    try:
+        target = socket.gethostbyname(address)
+        if ipaddress.ip_address(target).is_loopback:
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))  # UDP connect sends nothing: it only picks the route
+            local = probe.getsockname()[0]
+        import fcntl
+
+        siocgifaddr = 0x8915
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+                if socket.inet_ntoa(packed[20:24]) == local:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 def comm_device() -> torch.device:

@@ -1,13 +1,16 @@
-"""The RL node's iteration loop: rollout through the scheduler -> seal -> barrier -> fetch -> update -> checkpoint.
+"""The RL node's iteration loop: rollout through the scheduler -> seal -> barrier -> fetch -> update -> push.
 
 One ``NodeTrainer`` per torchrun worker. Every worker holds a coordinator ``Membership`` (member
 ``rank-<r>`` in run ``<run id>.workers``, kept apart from the agents' rendezvous members so a
 barrier waits for workers only) and runs a rollout engine that is a member of ``<run id>.rollout``,
-the scheduler's run. Rank 0 submits each iteration's prompts as tasks; every node's engine pulls
+the scheduler's run. Rank 0 submits each iteration's prompts as tasks, each naming the policy
+version it must be drawn from; every node's engine (and any rollout-only worker that joined) pulls
 and generates them; once the iteration seals, the workers meet at a leased barrier, fetch their
-token-balanced shard of the batch from the coordinator and update the policy. Barrier names carry
-a *generation* that rank 0 draws from the coordinator's KV each time the worker group starts, so a
-restarted group never meets a barrier its previous incarnation decided.
+token-balanced shard of the batch from the coordinator, update the policy with the configured
+strategy (DDP, DeepSpeed ZeRO, FSDP2) and push the new weights into their engines; rank 0 also
+publishes them to the coordinator for rollout-only workers. Barrier names carry a *generation*
+that rank 0 draws from the coordinator's KV each time the worker group starts, so a restarted
+group never meets a barrier its previous incarnation decided.
 
 If the barrier reports that a rank of the current world was evicted (its lease lapsed: the process
 or its node died), the worker exits with ``WorldChangedError`` instead of entering a collective
@@ -18,43 +21,41 @@ the scheduler already sealed are reused, not rolled out again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
+import socket
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
 from elasticrl.coordinator.client import Membership, resolve_token
-from elasticrl.errors import ElasticRLError
-from elasticrl.policy.tiny import TinyCausalLM, token_logprobs
-from elasticrl.policy.vocab import CharVocab
-from elasticrl.rl.advantages import group_advantages
+from elasticrl.errors import ElasticRLError, NotFoundError
+from elasticrl.rl.advantages import compute_advantages
 from elasticrl.rl.loss import policy_loss
+from elasticrl.rl.rewards import RewardError, reward_function
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.tasks import make_task
 from elasticrl.scheduler.client import SchedulerClient
+from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
-from elasticrl.train.dist import (
-    WorldInfo,
-    all_reduce_int,
-    all_reduce_sum,
-    broadcast_json,
-    broadcast_tensors,
-    init_process_group,
-)
-from elasticrl.train.logcontext import WorkerLogContext, node_name
-from elasticrl.train.rollout_link import NodeRolloutWorker, batch_from_groups, iteration_tasks
+from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
+from elasticrl.train.logcontext import NODE_NAME_ENV, WorkerLogContext, node_name
+from elasticrl.train.metric_sinks import open_sinks
+from elasticrl.train.model import build_engine, build_policy
+from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, iteration_tasks
+from elasticrl.train.strategy import StrategyConfig, adamw_factory, make_strategy
 
 log = logging.getLogger(__name__)
 
 GENERATION_KEY = b"elasticrl/worker-generation"
 METRICS_FILE = "metrics.jsonl"
+EVAL_SEED = "eval"
 
 
 class WorldChangedError(ElasticRLError, dist.DistError):
@@ -69,6 +70,26 @@ def member_id(rank: int) -> str:
     return f"rank-{rank}"
 
 
+def engine_member_id(local_rank: int) -> str:
+    """The member id of this worker's engine in ``<run>.rollout``: stable across worker restarts
+    under the same torchrun agent (a restarted engine fences its dead predecessor at once), and
+    unique per agent even where hosts share a name: $ELASTICRL_NODE_NAME when set, else the
+    hostname plus the agent's pid (the rendezvous plugin's node id)."""
+    base = os.environ.get(NODE_NAME_ENV) or f"{socket.gethostname()}-{os.getppid()}"
+    return f"{base}-{local_rank}"
+
+
+def weights_version(generation: int, policy_version: int) -> int:
+    """The coordinator's version of a published policy: increasing across restarts of the worker
+    group (a resumed group re-publishes older iterations under a newer generation)."""
+    return (generation << 32) | policy_version
+
+
+def rollout_run(run_id: str) -> str:
+    """The scheduler's run: every node's engine and every rollout-only worker is a member of it."""
+    return f"{run_id}.rollout"
+
+
 class NodeTrainer:
     def __init__(self, config: NodeConfig, world: WorldInfo, logctx: WorkerLogContext | None = None):
         self.cfg = config
@@ -76,9 +97,12 @@ class NodeTrainer:
         self.logctx = logctx or WorkerLogContext(node_name(), world.rank)
         self.run_dir = config.run.run_dir
         self.ckpt_dir = config.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
-        self.vocab = CharVocab()
         self.task = make_task(config.task.name, config.task.num_digits)
         self.max_new_tokens = config.rollout.max_new_tokens or self.task.max_new_tokens
+        try:
+            self.reward = reward_function(config.algorithm.rewards, config.algorithm.reward_weights, self.task)
+        except RewardError as exc:
+            raise ConfigError(f"algorithm.rewards: {exc}") from None
         if config.task.prompts_per_iteration < world.world_size:
             raise ConfigError(
                 f"task.prompts_per_iteration: {config.task.prompts_per_iteration} is fewer than the "
@@ -86,12 +110,20 @@ class NodeTrainer:
             )
         self.client: SchedulerClient | None = None
         self.membership: Membership | None = None
-        self.rollout: NodeRolloutWorker | None = None
+        self.rollout: EngineWorker | None = None
+        self.engine = None
+        self.strategy = None
+        self.sinks: list = []
         self._table_started = False
-        self.model_lock = threading.Lock()
+        self.engine_lock = threading.RLock()
+        self.gate = VersionGate()
         self.generation = 0
+        self.version = 0
+        self.shares_module = False
+        self.reference: torch.nn.Module | None = None
         self.last_checkpoint = ""
         self.device = torch.device("cpu")
+        self._presubmitted: tuple[int, threading.Thread, list[BaseException]] | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -99,16 +131,15 @@ class NodeTrainer:
         """Join the process group and the coordinator, build the model, resume; returns the first iteration."""
         cfg, world = self.cfg, self.world
         torch.set_num_threads(cfg.run.num_threads)
-        if cfg.train.backend == "nccl":
+        if cfg.trainer.backend == "nccl":
             torch.cuda.set_device(world.local_rank)
             self.device = torch.device("cuda", world.local_rank)
-        init_process_group(cfg.train.backend, world, timeout_s=cfg.run.barrier_timeout_s + 60)
+        init_process_group(cfg.trainer.backend, world, timeout_s=cfg.coordinator.barrier_timeout_s + 60)
+        c = cfg.coordinator
+        token = resolve_token(None, c.token_file or None)
         self.client = SchedulerClient(
-            cfg.run.coordinator,
-            token=resolve_token(None, cfg.run.token_file or None),
-            tls_ca=cfg.run.tls_ca or None,
-            call_timeout_s=cfg.run.call_timeout_s,
-            reconnect_timeout_s=cfg.run.reconnect_timeout_s,
+            c.address, token=token, tls_ca=c.tls_ca or None,
+            call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
         )
         members_run = f"{cfg.run.run_id}.workers"
         generation = self.client.kv_add(members_run, GENERATION_KEY, 1) if world.rank == 0 else None
@@ -127,28 +158,56 @@ class NodeTrainer:
             members_run, self.membership.member_id, self.membership.incarnation, self.generation, world.world_size,
         )
 
-        torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
-        self.model = TinyCausalLM(cfg.policy, len(self.vocab)).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.parts = build_policy(cfg)
+        t = cfg.trainer
+        self.strategy = make_strategy(StrategyConfig(
+            name=t.strategy, zero_stage=t.zero_stage, bf16=t.bf16, gradient_checkpointing=t.gradient_checkpointing,
+            grad_clip_norm=t.grad_clip_norm, deepspeed_config=dict(t.deepspeed_config),
+        ))
+        self.strategy.wrap(self.parts.model, adamw_factory(lr=t.lr, weight_decay=t.weight_decay))
+        self.device = self.strategy.device
         start = self._resume() if cfg.checkpoint.resume else 0
-        self.ddp = DistributedDataParallel(self.model, device_ids=[world.local_rank] if self.device.type == "cuda" else None)
-        self.rollout = NodeRolloutWorker(
-            self.model, self.vocab, self.task, self.model_lock,
-            address=cfg.run.coordinator, run_id=self.rollout_run, member_id=f"{self.logctx.node}-{world.local_rank}",
-            slots=cfg.rollout.slots, token=resolve_token(None, cfg.run.token_file or None), tls_ca=cfg.run.tls_ca or None,
-            call_timeout_s=cfg.run.call_timeout_s, reconnect_timeout_s=cfg.run.reconnect_timeout_s,
+        if start == 0 and t.warmup_steps:
+            self._warmup()
+        if cfg.algorithm.kl_coef > 0 and self.reference is None:
+            # The reference is the policy RL starts from (after the warm-up), kept in every checkpoint.
+            self._set_reference(self.strategy.full_model_state_dict(all_ranks=True))
+        self.version = start
+        shared = self.strategy.unwrap() if t.strategy == "ddp" else None
+        self.engine, self.shares_module = build_engine(
+            cfg, self.parts, device=self.device, lock=self.engine_lock, version=start, shared_module=shared,
+            seed=cfg.run.seed * 1000 + world.rank,
         )
-        self.rollout.policy_version = start
+        self._push(start)
+        if cfg.run.rl_phase != "update":  # an update-only run trains on sealed iterations: no engine work
+            self._start_engine_worker(token)
         if world.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             write_json(cfg, os.path.join(self.run_dir, "config.json"))
-            log.info("policy: %d parameters; task %s; run dir %s", self.model.num_parameters(), self.task.name, self.run_dir)
+            self.sinks = open_sinks(cfg)
+            n = sum(p.numel() for p in self.strategy.unwrap().parameters())
+            log.info(
+                "policy %s: %d parameters; strategy %s; engine %s; task %s; run dir %s",
+                cfg.model.kind, n, t.strategy, cfg.engine_name, self.task.name, self.run_dir,
+            )
         return start + 1
 
-    @property
-    def rollout_run(self) -> str:
-        """The scheduler's run: every node's rollout engine is a member of it."""
-        return f"{self.cfg.run.run_id}.rollout"
+    def _start_engine_worker(self, token: str | None) -> None:
+        cfg, c = self.cfg, self.cfg.coordinator
+        self.rollout = EngineWorker(
+            self.engine, decode=self.parts.decode, reward=self.reward, engine_lock=self.engine_lock, gate=self.gate,
+            address=c.address, run_id=rollout_run(cfg.run.run_id), member_id=engine_member_id(self.world.local_rank),
+            slots=cfg.rollout.slots, token=token, tls_ca=c.tls_ca or None,
+            call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
+            version_timeout_s=cfg.rollout.seal_timeout_s,
+        )
+
+    def _set_reference(self, state: dict[str, torch.Tensor]) -> None:
+        import copy
+
+        ref = copy.deepcopy(self.parts.model) if self.cfg.trainer.strategy == "ddp" else build_policy(self.cfg).model
+        ref.load_state_dict(state)
+        self.reference = ref.to(self.device).eval().requires_grad_(False)
 
     def _resume(self) -> int:
         """Load the newest checkpoint any rank holds (broadcast from the lowest such rank); returns its iteration."""
@@ -160,81 +219,212 @@ class NodeTrainer:
         loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(self.ckpt_dir, newest)) if self.world.rank == src else None
         # The metadata first, so every rank refuses an incompatible checkpoint together.
         meta = broadcast_json(loaded.meta if loaded else None, src)
-        saved, wanted = meta.get("config", {}).get("policy"), to_dict(self.cfg)["policy"]
+        saved, wanted = meta.get("config", {}).get("model"), to_dict(self.cfg)["model"]
         if saved is not None and saved != wanted:
             raise ConfigError(
-                f"checkpoint {newest} in {self.ckpt_dir} has policy {saved}, the config asks for {wanted}; "
-                "use the same [policy] or a new checkpoint.dir"
+                f"checkpoint {newest} in {self.ckpt_dir} has model {saved}, the config asks for {wanted}; "
+                "use the same [model] or a new checkpoint.dir"
             )
         weights = broadcast_tensors(loaded.model if loaded else None, src)
         opt_tensors = broadcast_tensors(loaded.optimizer_tensors if loaded else None, src)
-        self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(ckpt.unflatten_optimizer(opt_tensors, meta["optimizer"]))
+        self.strategy.load_full_model_state_dict(weights)
+        self.strategy.load_full_optimizer_state_dict(ckpt.unflatten_optimizer(opt_tensors, meta["optimizer"]))
+        if self.cfg.algorithm.kl_coef > 0:
+            has_ref = broadcast_json(loaded.reference is not None if loaded else None, src)
+            if has_ref:
+                self._set_reference(broadcast_tensors(loaded.reference if loaded else None, src))
         log.info("resumed from iteration %d (checkpoint of rank %d)", newest, src)
         return newest
+
+    def _warmup(self) -> None:
+        """Supervised steps on (prompt, target) pairs: teach the answer format before RL starts."""
+        cfg, world = self.cfg, self.world
+        steps, per_rank = cfg.trainer.warmup_steps, max(1, cfg.trainer.warmup_batch_size // world.world_size)
+        t0 = time.monotonic()
+        loss_sum = 0.0
+        for step in range(steps):
+            examples = self.task.sample(random.Random(f"{cfg.run.seed}/warmup/{step}/{world.rank}"), per_rank)
+            prompts = [self.parts.encode_prompt(ex.prompt) for ex in examples]
+            answers = [self.parts.encode_answer(ex.target) for ex in examples]
+            width, length = max(map(len, prompts)), max(map(len, answers))
+            tokens = torch.full((len(examples), width + length), self.parts.pad_id, dtype=torch.long)
+            valid = torch.zeros_like(tokens, dtype=torch.bool)
+            mask = torch.zeros(len(examples), width + length - 1)
+            for r, (p, a) in enumerate(zip(prompts, answers)):
+                tokens[r, width - len(p):width + len(a)] = torch.tensor(p + a)
+                valid[r, width - len(p):width + len(a)] = True
+                mask[r, width - 1:width - 1 + len(a)] = 1.0
+            (num_tokens,) = all_reduce_sum([float(mask.sum())])
+            with self.strategy.autocast():
+                logprobs = self.parts.logprobs(self.strategy.module, tokens.to(self.device), valid.to(self.device))
+            loss = -(logprobs.float() * mask.to(self.device)).sum() / num_tokens
+            self.strategy.backward(loss * world.world_size)
+            self.strategy.step()
+            (global_loss,) = all_reduce_sum([loss.item()])
+            loss_sum += global_loss
+            if world.rank == 0 and (step + 1) % max(1, steps // 4) == 0:
+                print(f"warm-up {step + 1:>4}/{steps}  supervised loss {global_loss:.4f}", flush=True)
+        log.info("warm-up: %d supervised steps in %.1fs, mean loss %.4f", steps, time.monotonic() - t0, loss_sum / steps)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def _push(self, version: int) -> float:
+        """Put policy ``version`` into this node's engine and (rank 0) on the coordinator for
+        rollout-only workers; open the gate for tasks that need it. Returns seconds spent publishing."""
+        state = None
+        if self.shares_module:
+            with self.engine_lock:
+                self.engine.set_version(version)
+        else:
+            state = self.strategy.full_model_state_dict(all_ranks=True)  # collective
+            with self.engine_lock:
+                self.engine.update_weights(state.items(), version=version)
+        self.version = version
+        self.gate.advance(version)
+        published = 0.0
+        if self.world.rank == 0 and self.cfg.rollout.publish_weights:
+            t0 = time.monotonic()
+            if state is None:
+                with self.engine_lock:
+                    state = {k: v.detach().cpu() for k, v in self.strategy.unwrap().state_dict().items()}
+            self.client.publish_weights(
+                rollout_run(self.cfg.run.run_id), weights_version(self.generation, version), pack_state_dict(state),
+            )
+            published = time.monotonic() - t0
+        return published
+
+    def _sleep_engine(self) -> None:
+        if not self.shares_module and self.cfg.engine.sleep_during_update and self.device.type == "cuda":
+            with self.engine_lock:
+                self.engine.sleep()
 
     # -- one iteration -----------------------------------------------------------------------
 
     def _barrier(self, iteration: int, phase: str) -> None:
-        result = self.membership.arrive(f"g{self.generation}/iter-{iteration}/{phase}", timeout_s=self.cfg.run.barrier_timeout_s)
+        result = self.membership.arrive(f"g{self.generation}/iter-{iteration}/{phase}", timeout_s=self.cfg.coordinator.barrier_timeout_s)
         current = {member_id(r) for r in range(self.world.world_size)}
         lost = sorted(current & set(result.evicted))
         if lost:
             raise WorldChangedError(f"iteration {iteration} ({phase}): {', '.join(lost)} evicted ({result.reason}); re-forming")
 
-    def _submit(self, iteration: int) -> None:
-        """Rank 0: the iteration's prompts as scheduler tasks. A restarted group submits the same
-        tasks again, which is a no-op (and an iteration that already sealed is reused)."""
+    def _is_eval(self, iteration: int) -> bool:
+        every = self.cfg.run.eval_interval
+        return bool(every) and iteration % every == 0
+
+    def _submit(self, iteration: int, policy_version: int) -> None:
+        """Rank 0: the iteration's prompts as scheduler tasks, to be drawn with ``policy_version``.
+        A restarted group submits the same tasks again, which is a no-op (and an iteration that
+        already sealed is reused)."""
         cfg = self.cfg
+        common = dict(
+            iteration=iteration, seed=cfg.run.seed, group_size=cfg.task.group_size, max_new_tokens=self.max_new_tokens,
+            temperature=cfg.rollout.temperature, policy_version=policy_version,
+            weights_version=weights_version(self.generation, policy_version),
+        )
         # Prompts depend only on (seed, iteration): every world size trains on the same data.
         examples = self.task.sample(random.Random(f"{cfg.run.seed}/{iteration}"), cfg.task.prompts_per_iteration)
-        tasks = iteration_tasks(
-            examples, self.vocab, iteration=iteration, seed=cfg.run.seed, group_size=cfg.task.group_size,
-            max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
-        )
+        tasks = iteration_tasks(examples, self.parts.encode_prompt, **common)
+        if self._is_eval(iteration):  # held-out prompts, the same ones at every evaluation
+            held_out = self.task.sample(random.Random(f"{cfg.run.seed}/{EVAL_SEED}"), cfg.task.eval_prompts)
+            tasks += iteration_tasks(held_out, self.parts.encode_prompt, split="eval", **common)
         r = cfg.rollout
         self.client.submit_iteration(
-            self.rollout_run, iteration, tasks, policy=r.policy, deadline_s=r.deadline_s,
+            rollout_run(cfg.run.run_id), iteration, tasks, policy=r.policy, deadline_s=r.deadline_s,
             min_fraction=r.min_fraction, task_lease_s=r.task_lease_s, backup_tasks=r.backup_tasks,
         )
 
-    def _rollout(self, iteration: int) -> dict:
-        """Wait for the iteration to seal (every node's engine works on it meanwhile), then fetch
-        this rank's shard of it."""
-        self.rollout.check()
-        return self.client.wait_sealed(self.rollout_run, iteration, timeout_s=self.cfg.rollout.seal_timeout_s)
-
-    def _fetch(self, iteration: int) -> RolloutBatch:
-        groups = self.client.fetch_shard(self.rollout_run, iteration, rank=self.world.rank, world_size=self.world.world_size)
-        return batch_from_groups(groups, self.vocab, self.device)
-
-    def _update(self, batch: RolloutBatch, num_tokens: float) -> tuple[float, float]:
-        """``updates_per_iteration`` DDP steps on ``batch``; returns this rank's summed loss and
-        clip fraction (already scaled so that summing over ranks gives the global values)."""
+    def _presubmit(self, iteration: int) -> None:
+        """Rank 0 (``rollout.presubmit``): submit the next iteration while this one updates, off the
+        critical path. Its tasks name the version this update produces, so no engine draws them
+        before it has that policy; with ``rollout.deadline_s`` the next submit waits for the
+        iteration to start instead (the deadline counts from the submit)."""
         cfg = self.cfg
-        advantages = group_advantages(batch.rewards, cfg.task.group_size)
-        loss_sum = clip_sum = 0.0
-        for _ in range(cfg.train.updates_per_iteration):
-            if batch.tokens.shape[0] == 0:
-                # No groups for this rank (an iteration sealed short): it still joins DDP's
-                # gradient all-reduce, with a zero loss that touches every parameter.
-                loss = sum(p.sum() for p in self.ddp.parameters()) * 0.0
-                stats = {"clip_fraction": 0.0}
-            else:
-                logprobs = token_logprobs(self.ddp, batch.tokens, batch.valid)
-                loss, stats = policy_loss(
-                    logprobs, batch.old_logprobs, advantages, batch.completion_mask,
-                    num_tokens=num_tokens, kind=cfg.train.loss, clip_eps=cfg.train.clip_eps,
+        if (self.world.rank != 0 or cfg.run.rl_phase != "both" or not cfg.rollout.presubmit or cfg.rollout.deadline_s
+                or iteration > cfg.run.iterations):
+            return
+        failure: list[BaseException] = []
+
+        def submit() -> None:
+            try:
+                self._submit(iteration, iteration - 1)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by _collect_presubmitted
+                failure.append(exc)
+
+        thread = threading.Thread(target=submit, name=f"submit-{iteration}", daemon=True)
+        thread.start()
+        self._presubmitted = (iteration, thread, failure)
+
+    def _collect_presubmitted(self, iteration: int) -> bool:
+        """Whether ``iteration`` was already submitted during the previous update (re-raises its failure)."""
+        pending, self._presubmitted = self._presubmitted, None
+        if pending is None or pending[0] != iteration:
+            return False
+        _, thread, failure = pending
+        thread.join(timeout=self.cfg.coordinator.reconnect_timeout_s + self.cfg.coordinator.call_timeout_s)
+        if failure:
+            raise failure[0]
+        return not thread.is_alive()
+
+    def _rollout(self, iteration: int) -> dict:
+        """Wait for the iteration to seal (every node's engine works on it meanwhile)."""
+        if self.rollout is not None:
+            self.rollout.check()
+        timeout = self.cfg.rollout.seal_timeout_s
+        if self.cfg.run.rl_phase == "update":
+            status = self.client.iteration_status(rollout_run(self.cfg.run.run_id), iteration)
+            if not status or not status.get("tasks_total"):
+                raise ConfigError(
+                    f"run.rl_phase = update: iteration {iteration} of run {self.cfg.run.run_id!r} was never rolled out; "
+                    "roll it out first with run.rl_phase = rollout (against a coordinator with --state-dir, which keeps "
+                    "every sealed iteration)"
                 )
-            self.optimizer.zero_grad(set_to_none=True)
-            # DDP averages gradients over ranks; each rank's loss is its share of a global token mean.
-            (loss * self.world.world_size).backward()
-            if cfg.train.grad_clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip_norm)
-            self.optimizer.step()
-            loss_sum += loss.detach().item()
-            clip_sum += stats["clip_fraction"] / self.world.world_size
-        return loss_sum, clip_sum
+        return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout)
+
+    def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None, world_size: int | None = None) -> RolloutBatch:
+        groups = self.client.fetch_shard(
+            rollout_run(self.cfg.run.run_id), iteration, split=split,
+            rank=self.world.rank if rank is None else rank, world_size=world_size or self.world.world_size,
+        )
+        return batch_from_groups(groups, self.parts.pad_id, self.device)
+
+    def _dummy_batch(self) -> RolloutBatch:
+        """One fully masked row: a rank with no groups still runs forward/backward (every strategy's
+        collectives need it), with a zero loss."""
+        tokens = torch.full((1, 2), self.parts.pad_id, dtype=torch.long, device=self.device)
+        zeros = torch.zeros(1, 1, device=self.device)
+        return RolloutBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), zeros, zeros.clone(),
+                            torch.zeros(1, device=self.device), [""], [])
+
+    def _update(self, batch: RolloutBatch, num_tokens: float, num_samples: float) -> dict[str, float]:
+        """``updates_per_iteration`` optimizer steps on ``batch``; returns sums over this rank's
+        steps, already scaled so that summing over ranks gives the global values."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        empty = batch.tokens.shape[0] == 0
+        if empty:
+            batch = self._dummy_batch()
+        advantages = compute_advantages(a.advantage, batch.rewards, 1 if empty else cfg.task.group_size)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid).float()
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        world = self.world.world_size
+        for _ in range(cfg.trainer.updates_per_iteration):
+            with self.strategy.autocast():
+                logprobs = self.parts.logprobs(self.strategy.module, batch.tokens, batch.valid)
+            loss, stats = policy_loss(
+                logprobs.float(), batch.old_logprobs, advantages, batch.completion_mask,
+                num_tokens=max(num_tokens, 1.0), kind=a.loss, clip_eps=a.clip_eps,
+                ref_logprobs=ref, kl_coef=a.kl_coef, aggregation=a.aggregation, num_sequences=max(num_samples, 1.0),
+            )
+            # Gradients are averaged over ranks; each rank's loss is its share of the global loss.
+            self.strategy.backward(loss * world)
+            step = self.strategy.step()
+            sums["loss"] += loss.detach().item()
+            sums["clip_fraction"] += stats["clip_fraction"] / world
+            sums["kl"] += stats.get("kl_mean", 0.0) / world
+            sums["grad_norm"] += step.get("grad_norm", 0.0) / world
+        return sums
 
     def _iteration(self, iteration: int) -> dict:
         """submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push.
@@ -242,9 +432,11 @@ class NodeTrainer:
         Every phase is timed on this rank (``t_*`` seconds). The barrier is where a trainer node
         that died during the rollout is noticed, before any collective could hang on it. No
         barrier is needed before the submit: ranks that are not there yet wait for the seal on
-        the coordinator, and a node's engine samples only after its own update released the
-        policy (``model_lock``), so no group is drawn from a stale policy.
+        the coordinator, and an engine draws a task only once its node holds the policy version
+        the task names (``VersionGate``), so no group is drawn from a stale policy.
         """
+        cfg = self.cfg
+        phase = cfg.run.rl_phase
         t: dict[str, float] = {}
         start = mark = time.monotonic()
 
@@ -254,8 +446,9 @@ class NodeTrainer:
             t[name] = now - mark
             mark = now
 
-        if self.world.rank == 0:
-            self._submit(iteration)
+        if self.world.rank == 0 and phase != "update":
+            if not self._collect_presubmitted(iteration):
+                self._submit(iteration, self.version)
         lap("t_submit")
         manifest = self._rollout(iteration)
         lap("t_rollout")
@@ -263,24 +456,37 @@ class NodeTrainer:
         lap("t_barrier")
         batch = self._fetch(iteration)
         lap("t_fetch")
+        self._presubmit(iteration + 1)
         tokens, reward_sum, exact, samples = all_reduce_sum(
             [float(batch.completion_mask.sum()), float(batch.rewards.sum()), float((batch.rewards == 1).sum()), len(batch.rewards)]
         )
         if samples == 0:
             raise RuntimeError(f"iteration {iteration} sealed with no groups ({manifest['seal_reason']})")
-        with self.model_lock:
-            loss_sum, clip_sum = all_reduce_sum(list(self._update(batch, max(tokens, 1.0))))
+        metrics: dict = {}
+        if self.world.rank == 0 and self._is_eval(iteration) and phase != "update":
+            held_out = self._fetch(iteration, "eval", rank=0, world_size=1)
+            if held_out.rewards.numel():
+                metrics["eval_reward"] = float(held_out.rewards.mean())
+                metrics["eval_exact"] = float((held_out.rewards == 1).float().mean())
+        lap("t_eval")
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        if phase != "rollout":
+            self._sleep_engine()
+            with self.engine_lock if self.shares_module else contextlib.nullcontext():
+                sums = dict(zip(sums, all_reduce_sum(list(self._update(batch, tokens, samples).values()))))
             lap("t_update")
-            # The engine samples from this very module: the push is the new version number.
-            self.rollout.policy_version = iteration
-        lap("t_push")
-        updates = self.cfg.train.updates_per_iteration
-        metrics = {
+            t["t_publish"] = self._push(iteration)
+            lap("t_push")
+        updates = cfg.trainer.updates_per_iteration
+        metrics.update({
             "iteration": iteration,
+            "policy_version": self.version,
             "reward_mean": reward_sum / samples,
             "exact_fraction": exact / samples,
-            "loss": loss_sum / updates,
-            "clip_fraction": clip_sum / updates,
+            "loss": sums["loss"] / updates,
+            "clip_fraction": sums["clip_fraction"] / updates,
+            "kl": sums["kl"] / updates,
+            "grad_norm": sums["grad_norm"] / updates,
             "world_size": self.world.world_size,
             "generation": self.generation,
             "groups": manifest["tasks_done"],
@@ -292,31 +498,49 @@ class NodeTrainer:
             "seal_s": manifest["elapsed_s"],
             "seconds": time.monotonic() - start,
             "example": f"{batch.examples[0].prompt}{batch.completions[0]}" if batch.examples else "",
-        }
+        })
         metrics.update(t)
         return metrics
 
     def _save(self, iteration: int, metrics: dict) -> None:
         cfg, world = self.cfg, self.world
         writer = world.rank == 0 or (cfg.checkpoint.every_node and world.local_rank == 0)
+        # Collective under sharded strategies: every rank gathers, the writers keep the result.
+        model_state = self.strategy.full_model_state_dict(all_ranks=cfg.checkpoint.every_node)
+        optimizer_state = self.strategy.full_optimizer_state_dict(all_ranks=cfg.checkpoint.every_node)
         if not writer:
             return
         meta = {
             "world_size": world.world_size,
             "generation": self.generation,
             "reward_mean": metrics["reward_mean"],
-            "config": {"policy": to_dict(cfg)["policy"], "task": to_dict(cfg)["task"]},
+            "config": {"model": to_dict(cfg)["model"], "task": to_dict(cfg)["task"]},
+            "strategy": cfg.trainer.strategy,
             "node": self.logctx.node,
             "saved_at_unix_s": time.time(),
         }
+        reference = None if self.reference is None else {k: v.detach().cpu() for k, v in self.reference.state_dict().items()}
         self.last_checkpoint = ckpt.save_checkpoint(
-            self.ckpt_dir, iteration, self.model.state_dict(), self.optimizer.state_dict(), meta,
-            keep_last=cfg.checkpoint.keep_last,
+            self.ckpt_dir, iteration, model_state, optimizer_state, meta, keep_last=cfg.checkpoint.keep_last,
+            reference=reference,
         )
         log.info("saved checkpoint %s", self.last_checkpoint)
 
+    def _export(self) -> None:
+        """Rank 0: the final policy as an HF model directory (checkpoint.export_hf)."""
+        state = self.strategy.full_model_state_dict()  # collective
+        if self.world.rank != 0:
+            return
+        from elasticrl.policy.hf_policy import export_hf
+
+        out = self.cfg.checkpoint.export_hf
+        out = out if os.path.isabs(out) else os.path.join(self.run_dir, out)
+        export_hf(state, self.cfg.model.path, out, overwrite=True)
+        print(f"exported the policy as an HF model directory: {out}", flush=True)
+
     def _report(self, metrics: dict) -> None:
-        """Rank 0: one row of the progress table on stdout and one JSON line in metrics.jsonl."""
+        """Rank 0: one row of the progress table on stdout, one JSON line in metrics.jsonl, and the
+        optional TensorBoard / W&B sinks."""
         if self.world.rank != 0:
             return
         n, i = self.cfg.run.iterations, metrics["iteration"]
@@ -326,15 +550,18 @@ class NodeTrainer:
                   f"{'time':>6}  {'rollout':>7}  {'update':>6}  {'coord':>6}  example", flush=True)
         filled = round(20 * i / n)
         coord = metrics["t_barrier"] + metrics["t_submit"] + metrics["t_fetch"]
+        evaluation = f"  eval {metrics['eval_reward']:.3f}" if "eval_reward" in metrics else ""
         print(
             f"[{'#' * filled}{'-' * (20 - filled)}] {i:>3}/{n:<3}  {metrics['reward_mean']:>6.3f}  "
             f"{metrics['exact_fraction']:>5.2f}  {metrics['loss']:>+8.4f}  {metrics['world_size']:>5}  "
-            f"{metrics['seconds']:>5.2f}s  {metrics['t_rollout']:>6.2f}s  {metrics['t_update']:>5.2f}s  "
-            f"{coord:>5.3f}s  {metrics['example']}",
+            f"{metrics['seconds']:>5.2f}s  {metrics['t_rollout']:>6.2f}s  {metrics.get('t_update', 0.0):>5.2f}s  "
+            f"{coord:>5.3f}s  {metrics['example']}{evaluation}",
             flush=True,
         )
         with open(os.path.join(self.run_dir, METRICS_FILE), "a") as f:
             f.write(json.dumps({**metrics, "time_unix_s": time.time()}) + "\n")
+        for sink in self.sinks:
+            sink.log(metrics, step=i)
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -344,24 +571,44 @@ class NodeTrainer:
             if first > self.cfg.run.iterations:
                 log.info("nothing to do: checkpoint %d already covers run.iterations=%d", first - 1, self.cfg.run.iterations)
             every = self.cfg.checkpoint.every_iterations
+            updating = self.cfg.run.rl_phase != "rollout"
             for iteration in range(first, self.cfg.run.iterations + 1):
                 self.logctx.iteration = iteration
                 metrics = self._iteration(iteration)
-                if iteration == self.cfg.run.iterations or (every and iteration % every == 0):
+                if updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0)):
                     t0 = time.monotonic()
                     self._save(iteration, metrics)
                     metrics["checkpoint"] = self.last_checkpoint
                     metrics["t_checkpoint"] = time.monotonic() - t0
                 self._report(metrics)
+            if self.cfg.checkpoint.export_hf and updating:
+                self._export()
             if self.world.rank == 0 and self.last_checkpoint:
                 log.info("finished %d iterations; last checkpoint %s", self.cfg.run.iterations, self.last_checkpoint)
+            self._finish()
         finally:
             self.close()
+
+    def _finish(self) -> None:
+        """Every rank is done: close the scheduler's run, so rollout-only workers exit (not after
+        a rollout-only phase: an update phase will read its iterations)."""
+        dist.barrier()
+        if self.world.rank == 0 and self.cfg.run.rl_phase != "rollout":
+            try:
+                self.client.close_run(rollout_run(self.cfg.run.run_id), "training finished")
+            except NotFoundError:
+                pass
 
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+        if self.engine is not None and not self.shares_module:
+            self.engine.close()
+        self.engine = None
         if self.membership is not None:
             try:
                 self.membership.leave("worker exited")
@@ -373,4 +620,3 @@ class NodeTrainer:
             self.client = None
         if dist.is_initialized():
             dist.destroy_process_group()
-

@@ -1,12 +1,14 @@
-"""The trainer's side of rollouts through the coordinator's scheduler.
+"""Between the trainer and the coordinator's scheduler: tasks out, engines in the middle, batches back.
 
 * ``iteration_tasks``: the driver (rank 0) turns an iteration's prompts into scheduler tasks. Task
-  ids and sampling seeds depend only on (run seed, iteration, prompt index), so a restarted worker
-  group re-submits exactly the same tasks (a no-op) and reuses an iteration that already sealed.
-* ``NodeRolloutWorker``: every trainer node also runs a rollout engine: a ``RolloutWorker`` on its
-  own event loop in a daemon thread, sampling from the node's current policy. The engine and the
-  update share the module, so "pushing weights" is bumping the policy version stamped on every
-  trajectory; a lock keeps a late (cancelled) task from sampling while the optimizer steps.
+  ids and sampling seeds depend only on (run seed, iteration, split, prompt index), so a restarted
+  worker group re-submits exactly the same tasks (a no-op) and reuses an iteration that already
+  sealed. Each task names the policy version it must be sampled with.
+* ``EngineWorker``: a ``RolloutWorker`` around any ``RolloutEngine`` (tiny, hf, vllm), on its own
+  event loop in a daemon thread. It turns assignments into ``GroupRequest`` batches, waits until
+  its engine holds the version the tasks ask for (``VersionGate``), scores the samples with the
+  reward function, and stamps every group with the engine's policy version. Trainer nodes and
+  rollout-only workers (``elasticrl rollout``) both run one; they differ only in their gate.
 * ``batch_from_groups``: a fetched shard back into the padded tensors the loss expects.
 """
 
@@ -17,17 +19,26 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from elasticrl.policy.vocab import CharVocab
-from elasticrl.rl.rollout import RolloutBatch, sample_groups
-from elasticrl.rl.tasks import Example, Task
-from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, TaskSpec
+from elasticrl.errors import ElasticRLError
+from elasticrl.rl.rollout import RolloutBatch
+from elasticrl.rl.tasks import Example
+from elasticrl.rollout.engine import GroupRequest, RolloutEngine, SamplingSpec
+from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, Split, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
 
 log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str, str], float]
+"""fn(prompt, completion, target) -> reward."""
+
+
+class PolicyVersionTimeout(ElasticRLError, TimeoutError):
+    """The engine did not get the policy version a task asks for in time."""
 
 
 def task_seed(seed: int, iteration: int, index: int) -> int:
@@ -35,39 +46,86 @@ def task_seed(seed: int, iteration: int, index: int) -> int:
 
 
 def iteration_tasks(
-    examples: list[Example], vocab: CharVocab, *, iteration: int, seed: int, group_size: int,
-    max_new_tokens: int, temperature: float,
+    examples: list[Example], encode: Callable[[str], list[int]], *, iteration: int, seed: int, group_size: int,
+    max_new_tokens: int, temperature: float, policy_version: int, weights_version: int = 0, split: str = "train",
 ) -> list[TaskSpec]:
+    """One task per example. ``policy_version``: the trainer's version the group must be drawn
+    from; ``weights_version``: the coordinator's version of those weights (rollout-only workers
+    fetch at least this one)."""
+    tag = "p" if split == "train" else "e"
+    offset = 0 if split == "train" else 500_000
     return [
         TaskSpec(
-            task_id=f"i{iteration}-p{k:05d}",
-            prompt_ids=vocab.encode(ex.prompt, bos=True),
+            task_id=f"i{iteration}-{tag}{k:05d}",
+            prompt_ids=encode(ex.prompt),
             prompt_text=ex.prompt,
             num_samples=group_size,
-            sampling=Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=task_seed(seed, iteration, k)),
-            metadata_json=json.dumps({"prompt": ex.prompt, "target": ex.target}),
+            sampling=Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=task_seed(seed, iteration, offset + k)),
+            split=Split(split),
+            metadata_json=json.dumps({
+                "prompt": ex.prompt, "target": ex.target,
+                "policy_version": policy_version, "weights_version": weights_version,
+            }),
         )
         for k, ex in enumerate(examples)
     ]
 
 
-class NodeRolloutWorker:
-    """A ``RolloutWorker`` sampling from ``model``, run on a private event loop in a thread."""
+class VersionGate:
+    """Trainer nodes: the engine may draw a task's group once the node pushed that policy version.
+
+    The trainer calls ``advance(v)`` after it pushed version ``v`` into its engine; ``wait`` blocks
+    the engine's thread until then (a task of the next iteration can arrive before this node's own
+    update finished: another rank submitted it).
+    """
+
+    def __init__(self, version: int = 0):
+        self._version = version
+        self._cond = threading.Condition()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def advance(self, version: int) -> None:
+        with self._cond:
+            self._version = max(self._version, version)
+            self._cond.notify_all()
+
+    def wait(self, policy_version: int, weights_version: int, timeout_s: float) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._version >= policy_version, timeout=timeout_s):
+                raise PolicyVersionTimeout(
+                    f"a task needs policy version {policy_version}; this node still has {self._version} after {timeout_s:.0f}s"
+                )
+
+
+class EngineWorker:
+    """A ``RolloutWorker`` drawing groups with ``engine``, run on a private event loop in a thread.
+
+    ``engine_lock`` serializes the engine between this thread (generate) and the trainer (sleep,
+    update_weights, and, when the engine shares the trainer's module, the optimizer step).
+    ``gate.wait(policy_version, weights_version, timeout_s)`` runs before each batch.
+    """
 
     def __init__(
-        self, model: torch.nn.Module, vocab: CharVocab, task: Task, model_lock: threading.Lock, *,
+        self, engine: RolloutEngine, *, decode: Callable[[list[int]], str], reward: RewardFn,
+        engine_lock: threading.RLock, gate, stop_token_ids: tuple[int, ...] = (), version_timeout_s: float = 600.0,
         address: str, run_id: str, member_id: str, slots: int, token: str | None, tls_ca: str | None,
-        call_timeout_s: float, reconnect_timeout_s: float,
+        call_timeout_s: float, reconnect_timeout_s: float, weight: float = 1.0,
     ):
-        self.model = model
-        self.vocab = vocab
-        self.task = task
-        self.lock = model_lock
-        self.policy_version = 0
+        self.engine = engine
+        self.decode = decode
+        self.reward = reward
+        self.lock = engine_lock
+        self.gate = gate
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.version_timeout_s = version_timeout_s
         self.error: BaseException | None = None
+        self.groups_done = 0
         self.worker = RolloutWorker(
-            address, run_id, member_id, None, generate_batch=self._generate_batch, slots=slots, token=token, tls_ca=tls_ca,
-            call_timeout_s=call_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
+            address, run_id, member_id, None, generate_batch=self._generate_batch, slots=slots, weight=weight,
+            token=token, tls_ca=tls_ca, call_timeout_s=call_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
@@ -86,7 +144,7 @@ class NodeRolloutWorker:
 
         try:
             self._loop.run_until_complete(main())
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the trainer by check()
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by check()
             self.error = exc
             log.error("rollout worker stopped: %s: %s", type(exc).__name__, exc)
         finally:
@@ -97,43 +155,45 @@ class NodeRolloutWorker:
         if self.error is not None:
             raise self.error
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout=timeout_s)
+
     def _generate_batch(self, assignments: list[Assignment]) -> list[GroupRecord]:
-        """Sample every task of one assignment message in one batch (tasks that sample alike
-        share a forward pass; the generator is seeded by the first task of each batch)."""
-        out: dict[str, GroupRecord] = {}
-        by_kind: dict[tuple, list[Assignment]] = {}
+        """Draw every task of one assignment message in one engine call, then score the samples."""
+        metas = [json.loads(a.task.metadata_json) for a in assignments]
+        self.gate.wait(
+            max(int(m.get("policy_version", 0)) for m in metas),
+            max(int(m.get("weights_version", 0)) for m in metas),
+            self.version_timeout_s,
+        )
+        requests = []
         for a in assignments:
             s = a.task.sampling
-            by_kind.setdefault((a.task.num_samples, s.max_new_tokens, s.temperature), []).append(a)
-        for (group_size, max_new_tokens, temperature), batch in by_kind.items():
-            examples = []
-            for a in batch:
-                meta = json.loads(a.task.metadata_json)
-                examples.append(Example(prompt=meta["prompt"], target=meta["target"]))
-            device = next(self.model.parameters()).device
-            gen = torch.Generator(device=device).manual_seed(batch[0].task.sampling.seed)
+            spec = SamplingSpec(
+                n=a.task.num_samples, temperature=s.temperature, top_p=s.top_p or 1.0,
+                max_new_tokens=s.max_new_tokens, seed=s.seed,
+                stop_token_ids=tuple(s.stop_token_ids) + self.stop_token_ids,
+            )
+            requests.append(GroupRequest(task_id=a.task.task_id, prompt_ids=list(a.task.prompt_ids), sampling=spec))
+        with self.lock:
+            groups = self.engine.generate(requests)
+        out = []
+        for a, meta, group in zip(assignments, metas, groups):
             t0 = time.perf_counter()
-            with self.lock:
-                version = self.policy_version
-                rollout = sample_groups(
-                    self.model, self.vocab, self.task, examples, group_size=group_size,
-                    max_new_tokens=max_new_tokens, temperature=temperature, generator=gen,
-                )
-            gen_s = (time.perf_counter() - t0) / len(batch)
-            # Prompts are left-padded to one width in the batch; completions start after it.
-            width = max(len(a.task.prompt_ids) for a in batch)
-            for i, a in enumerate(batch):
-                samples = []
-                for row in range(i * group_size, (i + 1) * group_size):
-                    n = int(rollout.valid[row, width:].sum())  # completion tokens, EOS included
-                    ids = rollout.tokens[row, width:width + n].tolist()
-                    lps = rollout.old_logprobs[row, width - 1:width - 1 + n].tolist()
-                    samples.append(SampleRecord.pack(
-                        ids, lps, float(rollout.rewards[row]), text=rollout.completions[row],
-                        finish_reason="stop" if ids and ids[-1] == self.vocab.eos_id else "length",
-                    ))
-                out[a.task.task_id] = GroupRecord(a.task.task_id, "", version, gen_s, 0.0, samples)
-        return [out[a.task.task_id] for a in assignments]
+            samples = []
+            for sample in group.samples:
+                text = sample.text if sample.text is not None else self.decode(sample.completion_ids)
+                reward = self.reward(meta["prompt"], text, meta.get("target", ""))
+                samples.append(SampleRecord.pack(
+                    sample.completion_ids, sample.logprobs, reward, finish_reason=sample.finish_reason, text=text,
+                ))
+            out.append(GroupRecord(a.task.task_id, "", group.policy_version, group.gen_seconds, time.perf_counter() - t0, samples))
+        self.groups_done += len(out)
+        return out
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self._stop is not None and self._thread.is_alive():
@@ -141,7 +201,7 @@ class NodeRolloutWorker:
         self._thread.join(timeout=timeout_s)
 
 
-def batch_from_groups(groups: list[FetchedGroup], vocab: CharVocab, device: torch.device) -> RolloutBatch:
+def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.device) -> RolloutBatch:
     """Rebuild ``RolloutBatch`` tensors from fetched groups: prompts left-padded to a common width,
     completions right-padded, logprobs aligned so column t scores token t + 1 (as in
     ``sample_groups``). Samples of a group stay contiguous."""
@@ -151,27 +211,30 @@ def batch_from_groups(groups: list[FetchedGroup], vocab: CharVocab, device: torc
         return RolloutBatch(empty, empty.bool(), torch.zeros(0, 1, device=device), torch.zeros(0, 1, device=device),
                             torch.zeros(0, device=device), [], [])
     width = max(len(g.prompt_ids) for g, _ in rows)
-    length = max(s.num_tokens for _, s in rows)
+    length = max(max(s.num_tokens for _, s in rows), 1)
     # Filled in numpy from the packed little-endian bytes: one memcpy per sample, no Python lists.
-    tokens = np.full((len(rows), width + length), vocab.pad_id, dtype=np.int64)
+    tokens = np.full((len(rows), width + length), pad_id, dtype=np.int64)
+    valid = np.zeros((len(rows), width + length), dtype=bool)
     mask = np.zeros((len(rows), width + length - 1), dtype=np.float32)
     old = np.zeros((len(rows), width + length - 1), dtype=np.float32)
     examples, completions, metas = [], [], {}
     for r, (g, s) in enumerate(rows):
         p = g.prompt_ids
         tokens[r, width - len(p):width] = p
+        valid[r, width - len(p):width] = True
         n = s.num_tokens
         if n:
             tokens[r, width:width + n] = np.frombuffer(s.completion_ids, dtype="<i4")
+            valid[r, width:width + n] = True
             mask[r, width - 1:width - 1 + n] = 1.0
             old[r, width - 1:width - 1 + n] = np.frombuffer(s.logprobs, dtype="<f4")
         if g.task_id not in metas:
             meta = json.loads(g.metadata_json)
-            metas[g.task_id] = Example(prompt=meta["prompt"], target=meta["target"])
+            metas[g.task_id] = Example(prompt=meta["prompt"], target=meta.get("target", ""))
         examples.append(metas[g.task_id])
         completions.append(s.text)
-    tokens, mask, old = torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(old)
-    valid = tokens != vocab.pad_id
     rewards = torch.tensor([s.reward for _, s in rows])
-    return RolloutBatch(tokens.to(device), valid.to(device), mask.to(device), old.to(device), rewards.to(device),
-                        completions, examples)
+    return RolloutBatch(
+        torch.from_numpy(tokens).to(device), torch.from_numpy(valid).to(device), torch.from_numpy(mask).to(device),
+        torch.from_numpy(old).to(device), rewards.to(device), completions, examples,
+    )

@@ -149,7 +149,7 @@ def run_variant(variant: str, args, world, cross: str) -> dict:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from elasticrl.config import PolicyConfig
+    from elasticrl.config import ModelConfig
     from elasticrl.policy.tiny import TinyCausalLM
     from elasticrl.train import checkpoint as ckpt
     from elasticrl.train.strategy import adamw_factory, make_strategy
@@ -158,7 +158,7 @@ def run_variant(variant: str, args, world, cross: str) -> dict:
 
     def fresh_strategy(seed: int):
         torch.manual_seed(seed)  # the same initial weights on every rank
-        model = TinyCausalLM(PolicyConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16), VOCAB)
+        model = TinyCausalLM(ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16), VOCAB)
         strategy = make_strategy(name, grad_clip_norm=args.grad_clip, **options)
         strategy.wrap(model, adamw_factory(lr=args.lr, weight_decay=0.01))
         return strategy

@@ -68,11 +68,11 @@ def load_policy(checkpoint_dir, config_path):
     import torch
     from safetensors.torch import load_file
 
-    from elasticrl.config import PolicyConfig
+    from elasticrl.config import ModelConfig
     from elasticrl.policy.tiny import TinyCausalLM
     from elasticrl.policy.vocab import CharVocab
 
-    policy = PolicyConfig(**json.loads(config_path.read_text())["policy"])
+    policy = ModelConfig(**json.loads(config_path.read_text())["model"])
     model = TinyCausalLM(policy, len(CharVocab()))
     model.load_state_dict(load_file(str(checkpoint_dir / "model.safetensors")), strict=True)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -82,7 +82,7 @@ def load_policy(checkpoint_dir, config_path):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    return out, run_demo(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "2")
+    return out, run_demo(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "2", "--", "--run.eval_interval=2")
 
 
 def test_two_nodes_train_log_every_iteration_and_checkpoint(first_run):
@@ -95,6 +95,9 @@ def test_two_nodes_train_log_every_iteration_and_checkpoint(first_run):
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     assert {r["world_size"] for r in records} == {2}
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4]
+    assert [("eval_reward" in r) for r in records] == [False, True, False, True]  # run.eval_interval=2
+    assert "warm-up   10/10  supervised loss" in result.stdout, result.stdout  # the bundled config warms up
 
     last = out / "checkpoints" / "iter-000004"
     assert f"checkpoint   {last}" in result.stdout
@@ -122,12 +125,12 @@ def test_a_node_refuses_a_checkpoint_of_another_policy(first_run, coordinator, t
     out, result = first_run
     assert result.returncode == 0, result.stdout
     node = subprocess.run(
-        [sys.executable, "-m", "elasticrl.node", f"--run.coordinator={coordinator.address}", "--run.run_id=mismatch",
-         f"--run.run_dir={tmp_path}", f"--checkpoint.dir={out / 'checkpoints'}", "--policy.d_model=32"],
+        [sys.executable, "-m", "elasticrl.node", f"--coordinator.address={coordinator.address}", "--run.run_id=mismatch",
+         f"--run.run_dir={tmp_path}", f"--checkpoint.dir={out / 'checkpoints'}", "--model.d_model=32"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert node.returncode == 2, node.stderr
-    assert "use the same [policy] or a new checkpoint.dir" in node.stderr
+    assert "use the same [model] or a new checkpoint.dir" in node.stderr
     assert "'d_model': 64" in node.stderr and "'d_model': 32" in node.stderr
 
 

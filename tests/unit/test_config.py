@@ -12,41 +12,41 @@ from elasticrl.config import ConfigError, NodeConfig, load_config, parse_overrid
 def test_defaults_are_valid_and_complete():
     cfg = load_config()
     assert isinstance(cfg, NodeConfig)
-    assert cfg.task.name == "reverse" and cfg.train.loss == "grpo_clip"
+    assert cfg.task.name == "reverse" and cfg.algorithm.loss == "grpo_clip" and cfg.engine_name == "tiny"
 
 
 def test_overrides_beat_the_file_which_beats_the_defaults(tmp_path):
     path = tmp_path / "node.toml"
-    path.write_text('[train]\nlr = 1e-3\nupdates_per_iteration = 2\n[task]\nname = "copy"\ngroup_size = 4\n[checkpoint]\nevery_node = true\n')
-    cfg = load_config(path, parse_overrides(["--train.lr=5e-4", "--task.group_size", "6", "--checkpoint.every_node=false"]))
-    assert cfg.train.lr == 5e-4  # override
-    assert cfg.train.updates_per_iteration == 2  # file
+    path.write_text('[trainer]\nlr = 1e-3\nupdates_per_iteration = 2\n[task]\nname = "copy"\ngroup_size = 4\n[checkpoint]\nevery_node = true\n')
+    cfg = load_config(path, parse_overrides(["--trainer.lr=5e-4", "--task.group_size", "6", "--checkpoint.every_node=false"]))
+    assert cfg.trainer.lr == 5e-4  # override
+    assert cfg.trainer.updates_per_iteration == 2  # file
     assert cfg.task.name == "copy" and cfg.task.group_size == 6
     assert cfg.checkpoint.every_node is False
-    assert cfg.policy.d_model == 64  # default
+    assert cfg.model.d_model == 64  # default
 
 
 def test_toml_ints_are_accepted_for_float_fields(tmp_path):
     path = tmp_path / "node.toml"
-    path.write_text("[train]\nlr = 1\n")
-    assert load_config(path).train.lr == 1.0
+    path.write_text("[trainer]\nlr = 1\n")
+    assert load_config(path).trainer.lr == 1.0
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["--train.lr=-1"], r"train.lr: -1.0 must be > 0 \(e.g. 3e-3\)"),
+        (["--trainer.lr=-1"], r"trainer.lr: -1.0 must be > 0 \(e.g. 3e-3\)"),
         (["--task.group_size=1"], r"task.group_size: 1 must be at least 2.*try 8"),
-        (["--policy.n_heads=5"], r"policy.n_heads: 5 must divide policy.d_model=64"),
+        (["--model.n_heads=5"], r"model.n_heads: 5 must divide model.d_model=64"),
         (["--task.name=sort"], r"task.name: 'sort' is not a registered task; choose one of copy, reverse"),
-        (["--train.loss=ppo"], r"train.loss: 'ppo' is not one of grpo_clip, reinforce"),
-        (["--run.coordinator=localhost"], r"run.coordinator: 'localhost' must be HOST:PORT"),
-        (["--train.lr=fast"], r"--train.lr: 'fast' is not a number"),
+        (["--algorithm.loss=ppo"], r"algorithm.loss: 'ppo' is not one of grpo_clip, reinforce"),
+        (["--coordinator.address=localhost"], r"coordinator.address: 'localhost' must be HOST:PORT"),
+        (["--trainer.lr=fast"], r"--trainer.lr: 'fast' is not a number"),
         (["--checkpoint.resume=maybe"], r"'maybe' is not a boolean; use true or false"),
-        (["--trian.lr=1"], r"unknown section 'trian'; valid sections are run, task"),
-        (["--train.learning_rate=1"], r"unknown key 'learning_rate'; \[train\] has loss, lr"),
-        (["--train.lr"], r"--train.lr: missing value"),
-        (["train.lr=1"], r"expected --section.key=value"),
+        (["--trian.lr=1"], r"unknown section 'trian'; valid sections are run, coordinator, model"),
+        (["--trainer.learning_rate=1"], r"unknown key 'learning_rate'; \[trainer\] has strategy, zero_stage"),
+        (["--trainer.lr"], r"--trainer.lr: missing value"),
+        (["trainer.lr=1"], r"expected --section.key=value"),
     ],
 )
 def test_bad_values_say_what_is_wrong_and_how_to_fix_it(overrides, message):
@@ -58,29 +58,70 @@ def test_bad_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
-    bad.write_text("[train\n")
+    bad.write_text("[trainer\n")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         load_config(bad)
-    bad.write_text('[train]\nlr = "fast"\n')
-    with pytest.raises(ConfigError, match="train.lr: 'fast' is a str, expected float"):
+    bad.write_text('[trainer]\nlr = "fast"\n')
+    with pytest.raises(ConfigError, match="trainer.lr: 'fast' is a str, expected float"):
         load_config(bad)
     bad.write_text("[optimizer]\nlr = 1\n")
     with pytest.raises(ConfigError, match=r"\[optimizer\]: unknown section"):
         load_config(bad)
 
 
-def test_run_section_resolves_from_the_environment():
-    run = load_config().run
-    resolved = run.resolved({"TORCHELASTIC_RUN_ID": "job7", "ELASTICRL_COORDINATOR": "10.0.0.1:50051"})
-    assert (resolved.run_id, resolved.coordinator, resolved.run_dir) == ("job7", "10.0.0.1:50051", "runs/job7")
-    explicit = load_config(None, parse_overrides(["--run.coordinator=h:1", "--run.run_id=x"])).run.resolved({})
-    assert (explicit.run_id, explicit.coordinator) == ("x", "h:1")
+def test_run_and_coordinator_resolve_from_the_environment():
+    cfg = load_config()
+    resolved = cfg.resolved({"TORCHELASTIC_RUN_ID": "job7", "ELASTICRL_COORDINATOR": "10.0.0.1:50051"})
+    assert (resolved.run.run_id, resolved.coordinator.address, resolved.run.run_dir) == ("job7", "10.0.0.1:50051", "runs/job7")
+    explicit = load_config(None, parse_overrides(["--coordinator.address=h:1", "--run.run_id=x"])).resolved({})
+    assert (explicit.run.run_id, explicit.coordinator.address) == ("x", "h:1")
     with pytest.raises(ConfigError, match="export ELASTICRL_COORDINATOR=HOST:PORT"):
-        run.resolved({})
+        cfg.resolved({})
+
+
+def test_lists_and_tables_from_toml_and_overrides(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text('[algorithm]\nrewards = ["exact_match", "format"]\nreward_weights = [1, 0.5]\n'
+                    '[trainer]\ndeepspeed_config = {zero_optimization = {stage3_param_persistence_threshold = 0}}\n')
+    cfg = load_config(path)
+    assert cfg.algorithm.rewards == ["exact_match", "format"] and cfg.algorithm.reward_weights == [1.0, 0.5]
+    assert cfg.trainer.deepspeed_config == {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    cfg = load_config(path, parse_overrides(["--algorithm.rewards=positional", "--algorithm.reward_weights=2"]))
+    assert cfg.algorithm.rewards == ["positional"] and cfg.algorithm.reward_weights == [2.0]
+    path.write_text('[algorithm]\nrewards = "exact_match"\n')
+    with pytest.raises(ConfigError, match="algorithm.rewards: 'exact_match' is a str, expected a list of str"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="algorithm.reward_weights: 2 weights for 1 rewards"):
+        load_config(None, parse_overrides(["--algorithm.rewards=format", "--algorithm.reward_weights=1,2"]))
+    with pytest.raises(ConfigError, match="trainer.deepspeed_config: 'x' is not a JSON object"):
+        load_config(None, parse_overrides(["--trainer.deepspeed_config=x"]))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--model.kind=hf"], r"model.path: model.kind = hf needs the HF model directory"),
+        (["--engine.name=vllm"], r"engine.name: 'vllm' does not serve model.kind = 'tiny'"),
+        (["--model.kind=hf", "--model.path=m", "--engine.name=tiny"], r"engine.name: 'tiny' does not serve model.kind = 'hf'"),
+        (["--checkpoint.export_hf=out"], r"checkpoint.export_hf: only model.kind = hf"),
+        (["--trainer.bf16=true"], r"trainer.bf16: bf16 compute needs GPUs"),
+        (["--run.rl_phase=train"], r"run.rl_phase: 'train' must be one of both, rollout, update"),
+    ],
+)
+def test_cross_section_checks(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, parse_overrides(overrides))
+
+
+def test_engine_auto_follows_the_model_kind():
+    cfg = load_config(None, parse_overrides(["--model.kind=hf", "--model.path=m"]))
+    assert cfg.engine_name == "hf"
 
 
 def test_resolved_config_is_written_as_json(tmp_path):
-    cfg = load_config(None, parse_overrides(["--train.lr=0.01"]))
+    cfg = load_config(None, parse_overrides(["--trainer.lr=0.01"]))
     write_json(cfg, tmp_path / "config.json")
     data = json.loads((tmp_path / "config.json").read_text())
-    assert data["train"]["lr"] == 0.01 and set(data) == {"run", "task", "policy", "rollout", "train", "checkpoint"}
+    assert data["trainer"]["lr"] == 0.01 and set(data) == {
+        "run", "coordinator", "model", "task", "engine", "rollout", "algorithm", "trainer", "checkpoint", "logging"
+    }

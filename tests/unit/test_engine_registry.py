@@ -24,10 +24,10 @@ from elasticrl.rollout import engine as engine_module
 
 
 def test_unknown_engine_lists_the_valid_ones():
-    with pytest.raises(UnknownEngineError, match=r"'sglang'.*valid engines: hf, vllm") as info:
+    with pytest.raises(UnknownEngineError, match=r"'sglang'.*valid engines: hf, tiny, vllm") as info:
         make_engine("sglang")
     assert isinstance(info.value, ValueError) and isinstance(info.value, ElasticRLError)
-    assert engine_names() == ["hf", "vllm"]
+    assert engine_names() == ["hf", "tiny", "vllm"]
 
 
 class FakeEngine:

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from elasticrl.config import PolicyConfig
+from elasticrl.config import ModelConfig
 from elasticrl.policy.tiny import TinyCausalLM
 from elasticrl.train import checkpoint as ckpt
 
 
 def _trained_model_and_optimizer():
     torch.manual_seed(0)
-    model = TinyCausalLM(PolicyConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=8), vocab_size=11)
+    model = TinyCausalLM(ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=8), vocab_size=11)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, 11, (4, 6))
     for _ in range(2):

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from elasticrl.config import PolicyConfig
+from elasticrl.config import ModelConfig
 from elasticrl.policy.tiny import TinyCausalLM, token_logprobs
 from elasticrl.policy.vocab import CharVocab
 from elasticrl.rl.advantages import group_advantages
@@ -21,7 +21,7 @@ VOCAB = CharVocab()
 
 def _model(seed: int = 0) -> TinyCausalLM:
     torch.manual_seed(seed)
-    return TinyCausalLM(PolicyConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32), len(VOCAB))
+    return TinyCausalLM(ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32), len(VOCAB))
 
 
 def test_left_padding_does_not_change_logprobs():
@@ -68,7 +68,7 @@ def one_thread():
 
 def test_grpo_learns_to_copy_two_digits(one_thread):
     torch.manual_seed(0)
-    model = TinyCausalLM(PolicyConfig(), len(VOCAB))
+    model = TinyCausalLM(ModelConfig(), len(VOCAB))
     task = make_task("copy", 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticrl.config import ConfigError, PolicyConfig
+from elasticrl.config import ConfigError, ModelConfig
 from elasticrl.policy.tiny import TinyCausalLM
 from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.strategy import STRATEGY_NAMES, StrategyConfig, TrainStrategy, adamw_factory, make_strategy
@@ -30,7 +30,7 @@ from elasticrl.train.strategy_deepspeed import deepspeed_config, merge_config
 
 def _tiny() -> TinyCausalLM:
     torch.manual_seed(0)
-    return TinyCausalLM(PolicyConfig(d_model=16, n_layers=2, n_heads=2, max_seq_len=8), vocab_size=11)
+    return TinyCausalLM(ModelConfig(d_model=16, n_layers=2, n_heads=2, max_seq_len=8), vocab_size=11)
 
 
 def test_unknown_strategy_lists_the_valid_ones():

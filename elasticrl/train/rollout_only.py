@@ -1,0 +1,138 @@
+"""``elasticrl rollout``: a rollout-only worker that joins a running run, and leaves, at any time.
+
+It builds the run's engine from the same node config (``[model]``, ``[engine]``, ``[task]``,
+``[algorithm] rewards``), joins the scheduler's run ``<run id>.rollout`` as one more engine, and
+takes tasks like the trainer nodes' own engines do. Weights come from the coordinator: rank 0
+publishes every policy version there, and before drawing a task this worker fetches the version the
+task names (``CoordinatorWeights``), so no group is drawn from a stale policy. Training never waits
+for such a worker and never restarts for it: it adds throughput while it is there; killed, its
+tasks go back to the queue when its lease lapses. It exits 0 when the trainer closes the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+import torch
+
+from elasticrl.config import NodeConfig
+from elasticrl.coordinator.client import resolve_token
+from elasticrl.errors import ElasticRLError, RunClosedError
+from elasticrl.rl.rewards import reward_function
+from elasticrl.rl.tasks import make_task
+from elasticrl.scheduler.client import SchedulerClient
+from elasticrl.scheduler.weights import unpack_state_dict
+from elasticrl.train.loop import rollout_run
+from elasticrl.train.model import build_engine, build_policy
+from elasticrl.train.rollout_link import EngineWorker, PolicyVersionTimeout
+
+log = logging.getLogger(__name__)
+
+FETCH_CHUNK_S = 30.0
+CLOSED_CHECK_S = 2.0
+
+
+class CoordinatorWeights:
+    """The gate of a rollout-only worker: fetch published weights until the engine holds the
+    version a task names. Versions are the trainer's ``weights_version`` (generation << 32 |
+    policy version)."""
+
+    def __init__(self, client: SchedulerClient, run_id: str, engine, lock: threading.RLock):
+        self.client = client
+        self.run_id = run_id
+        self.engine = engine
+        self.lock = lock
+        self.weights_version = -1
+        self.fetches = 0
+
+    def refresh(self, want: int, timeout_s: float) -> None:
+        """Load published weights until their version is at least ``want`` (-1: any)."""
+        give_up = time.monotonic() + timeout_s
+        while self.weights_version < max(want, 0) or self.weights_version < 0:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise PolicyVersionTimeout(
+                    f"run {self.run_id!r}: no published weights of version >= {want:#x} after {timeout_s:.0f}s "
+                    f"(this worker has {self.weights_version:#x}); is the trainer running with rollout.publish_weights = true?"
+                )
+            got = self.client.fetch_weights(self.run_id, have_version=self.weights_version, wait_s=min(left, FETCH_CHUNK_S))
+            if got is None:
+                continue
+            version, blob = got
+            state = unpack_state_dict(blob)
+            with self.lock:
+                self.engine.update_weights(state.items(), version=version & 0xFFFFFFFF)
+            self.weights_version = version
+            self.fetches += 1
+            log.info("loaded published weights: generation %d, policy version %d (%.1f MB)",
+                     version >> 32, version & 0xFFFFFFFF, len(blob) / 1e6)
+
+    def wait(self, policy_version: int, weights_version: int, timeout_s: float) -> None:
+        self.refresh(weights_version, timeout_s)
+
+
+def default_member_id() -> str:
+    return f"rollout-{socket.gethostname()}-{os.getpid()}"
+
+
+def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float = 1.0) -> int:
+    """Serve the run until it closes (exit 0), SIGTERM/SIGINT (exit 0), or a failure (raises)."""
+    c = cfg.coordinator
+    token = resolve_token(None, c.token_file or None)
+    device = torch.device(cfg.engine.device) if cfg.engine.device else torch.device("cuda" if torch.cuda.is_available() and cfg.engine_name == "vllm" else "cpu")
+    torch.set_num_threads(cfg.run.num_threads)
+    parts = build_policy(cfg)
+    lock = threading.RLock()
+    engine, _ = build_engine(cfg, parts, device=device, lock=lock, version=0, shared_module=None, seed=os.getpid())
+    run_id = rollout_run(cfg.run.run_id)
+    member_id = member_id or default_member_id()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with SchedulerClient(c.address, token=token, tls_ca=c.tls_ca or None, call_timeout_s=c.call_timeout_s,
+                         reconnect_timeout_s=c.reconnect_timeout_s) as client:
+        gate = CoordinatorWeights(client, run_id, engine, lock)
+        print(f"elasticrl rollout: waiting for the trainer's weights in run {run_id} at {c.address} ...", flush=True)
+        gate.refresh(-1, cfg.rollout.weights_wait_s)
+        task = make_task(cfg.task.name, cfg.task.num_digits)
+        worker = EngineWorker(
+            engine, decode=parts.decode, reward=reward_function(cfg.algorithm.rewards, cfg.algorithm.reward_weights, task),
+            engine_lock=lock, gate=gate, address=c.address, run_id=run_id, member_id=member_id,
+            slots=slots or cfg.rollout.slots, weight=weight, token=token, tls_ca=c.tls_ca or None,
+            call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
+            version_timeout_s=cfg.rollout.weights_wait_s,
+        )
+        print(f"elasticrl rollout: {member_id} serving run {run_id} ({worker.worker.slots} slots, engine {cfg.engine_name})", flush=True)
+        closed = False
+        try:
+            next_check = time.monotonic() + CLOSED_CHECK_S
+            while worker.alive and not stop.is_set() and not closed:
+                worker.join(0.5)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + CLOSED_CHECK_S
+                    closed = _closed(client, run_id)
+        finally:
+            worker.stop()
+            engine.close()
+        print(f"elasticrl rollout: {member_id} stopping after {worker.groups_done} groups "
+              f"({gate.fetches} weight versions loaded)", flush=True)
+        if closed or isinstance(worker.error, RunClosedError):
+            print(f"elasticrl rollout: run {run_id} is closed (training finished)", flush=True)
+            return 0
+        worker.check()
+    return 0
+
+
+def _closed(client: SchedulerClient, run_id: str) -> bool:
+    """Whether the trainer closed the run (it does when it finishes); False while unsure."""
+    try:
+        runs = client.status(run_id).get("runs") or []
+    except ElasticRLError as exc:
+        log.warning("could not read run %s's state: %s", run_id, exc)
+        return False
+    return any(r["snapshot"].get("closed") for r in runs)

@@ -1,0 +1,289 @@
+"""``elasticrl coordinator --metrics-port``: a real coordinator subprocess scraped over HTTP while
+real member and rollout-worker processes join, meet at a barrier, die (SIGKILL) and finish an
+iteration; the counters must move by exactly what happened. Plus the endpoint's HTTP edges
+(paths, methods, a silent client, a failing render) and the flags' error exits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from elasticrl.coordinator.client import CoordinatorClient
+from elasticrl.coordinator.metrics import MetricsEndpoint, Registry
+from elasticrl.errors import AuthError
+from elasticrl.scheduler.client import SchedulerClient
+from elasticrl.scheduler.state import TaskSpec
+from tests.conftest import REPO, wait_until
+
+pytestmark = pytest.mark.integration
+MEMBER = pathlib.Path(__file__).with_name("member_proc.py")
+WORKER = REPO / "bench" / "fake_rollout_worker.py"
+TOKENS = 8
+SAMPLES = 2
+HTTP_TIMEOUT_S = 5
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
+
+
+def with_metrics(coordinator_factory, tmp_path: pathlib.Path, *extra: str, **kwargs):
+    """A coordinator serving metrics on a free port; returns (process, metrics port)."""
+    port_file = tmp_path / f"metrics-port-{len(list(tmp_path.glob('metrics-port-*')))}"
+    coord = coordinator_factory(extra_args=["--metrics-port", "0", "--metrics-port-file", str(port_file), *extra], **kwargs)
+    # Written before the gRPC port file, which the factory has already waited for.
+    port = wait_until(lambda: port_file.exists() and int(port_file.read_text()), 10, message="the metrics port file")
+    return coord, port
+
+
+def get(port: int, path: str = "/metrics", method: str = "GET") -> tuple[int, dict, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, data=b"" if method != "GET" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as reply:
+            return reply.status, dict(reply.headers), reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """Parse the exposition strictly enough to catch format slips: every sample belongs to a
+    family announced by HELP and TYPE lines, and every line parses."""
+    status, headers, text = get(port)
+    assert status == 200 and headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8", (status, headers)
+    typed: dict[str, str] = {}
+    samples: dict[tuple[str, frozenset], float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            typed[name] = kind
+            continue
+        if line.startswith("# HELP "):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"unparseable line: {line!r}"
+        name, labels, value = m.groups()
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in typed else name
+        assert family in typed, f"{name} has no # TYPE line before it"
+        pairs = frozenset((k, v) for k, v, _ in _LABEL.findall(labels or ""))
+        samples[(name, pairs)] = float(value)
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+class Proc:
+    """A subprocess whose JSON lines go to a file (a test reads what it did before it died)."""
+
+    def __init__(self, tmp: pathlib.Path, name: str, cmd: list[str]):
+        self.out = tmp / f"{name}.jsonl"
+        self.log = tmp / f"{name}.log"
+        with open(self.out, "ab") as out, open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=log, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+    def events(self, kind: str) -> list[dict]:
+        lines = self.out.read_text().splitlines() if self.out.exists() else []
+        return [e for e in map(json.loads, lines) if e.get("event") == kind]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    made: list[Proc] = []
+
+    def spawn(name: str, *cmd: str) -> Proc:
+        p = Proc(tmp_path, name, [sys.executable, *cmd])
+        made.append(p)
+        return p
+
+    yield spawn
+    for p in made:
+        p.stop()
+
+
+def member_state(client: CoordinatorClient, run: str, member: str) -> str | None:
+    for r in client.status(run, include_departed=True)["runs"]:
+        for m in r["snapshot"].get("members", []) + r.get("departed", []):
+            if m["member_id"] == member:
+                return m["state"]
+    return None
+
+
+@pytest.mark.timeout(180)
+def test_counters_move_with_joins_barrier_eviction_and_a_sealed_iteration(coordinator_factory, tmp_path, procs):
+    coord, port = with_metrics(coordinator_factory, tmp_path)
+    before = scrape(port)
+    assert value(before, "elasticrl_member_evictions_total", run="m", reason="lease_expired") == 0
+    assert value(before, "elasticrl_coordinator_uptime_seconds") > 0
+    assert ("elasticrl_barrier_wait_seconds_count", frozenset({("run", "m")})) not in before
+
+    # Membership and a barrier: c joins first (so the barrier expects it), a and b arrive, c is
+    # SIGKILLed; its lease lapses, it is evicted and the barrier completes without it.
+    c = procs("c", str(MEMBER), coord.address, "m", "c")
+    wait_until(lambda: c.events("joined"), 20, message="c joining")
+    a = procs("a", str(MEMBER), coord.address, "m", "a", "--barrier", "sync-1")
+    b = procs("b", str(MEMBER), coord.address, "m", "b", "--barrier", "sync-1")
+    wait_until(lambda: a.events("joined") and b.events("joined"), 20, message="a and b joining")
+    wait_until(lambda: value(scrape(port), "elasticrl_barriers_open", run="m") == 1, 20, message="the barrier opening")
+    mid = scrape(port)
+    assert value(mid, "elasticrl_member_joins_total", run="m") == 3
+    assert value(mid, "elasticrl_members", run="m", state="live") == 3
+    assert value(mid, "elasticrl_run_epoch", run="m") == 3
+    c.stop()
+    for m in (a, b):
+        wait_until(lambda: m.events("released"), 20, message="the barrier releasing a and b")
+        assert m.events("released")[0]["evicted"] == ["c"]
+    with CoordinatorClient(coord.address, call_timeout_s=5) as client:
+        assert member_state(client, "m", "c") == "MEMBER_STATE_EVICTED"
+
+    # A scheduler iteration on two fake rollout workers.
+    run, n = "rollout", 6
+    for w in ("w0", "w1"):
+        procs(w, str(WORKER), "--coordinator", coord.address, "--run", run, "--member", w,
+              "--task-s", "0.05", "--tokens", str(TOKENS))
+    wait_until(lambda: value(scrape(port), "elasticrl_scheduler_workers", run=run) == 2, 30, message="two workers connected")
+    with SchedulerClient(coord.address, call_timeout_s=5) as client:
+        client.submit_iteration(run, 1, [TaskSpec(task_id=f"t{i}", prompt_ids=[1, i], num_samples=SAMPLES) for i in range(n)])
+        manifest = client.wait_sealed(run, 1, timeout_s=60)
+    assert manifest["tasks_done"] == n, manifest
+
+    after = scrape(port)
+    assert value(after, "elasticrl_member_evictions_total", run="m", reason="lease_expired") == 1
+    assert value(after, "elasticrl_members", run="m", state="evicted") == 1
+    assert value(after, "elasticrl_members", run="m", state="live") == 2
+    assert value(after, "elasticrl_run_epoch", run="m") == 4
+    assert value(after, "elasticrl_barriers_decided_total", run="m", outcome="completed") == 1
+    assert value(after, "elasticrl_barriers_open", run="m") == 0
+    assert value(after, "elasticrl_barrier_wait_seconds_count", run="m") == 1
+    assert value(after, "elasticrl_barrier_wait_seconds_bucket", run="m", le="+Inf") == 1
+    assert value(after, "elasticrl_scheduler_iteration", run=run) == 1
+    assert value(after, "elasticrl_scheduler_tasks", run=run, state="done") == n
+    assert value(after, "elasticrl_scheduler_tasks", run=run, state="queued") == 0
+    assert value(after, "elasticrl_scheduler_results_accepted_total", run=run) == n
+    # Each sample carries TOKENS int32 ids and TOKENS float32 logprobs, and no text.
+    assert value(after, "elasticrl_scheduler_trajectory_bytes_total", run=run) == n * SAMPLES * TOKENS * 8
+    assert value(after, "elasticrl_scheduler_iterations_sealed_total", run=run) == 1
+    assert value(after, "elasticrl_scheduler_seal_seconds_count", run=run) == 1
+    assert value(after, "elasticrl_scheduler_seal_seconds_bucket", run=run, le="+Inf") == 1
+    assert value(after, "elasticrl_scheduler_seal_seconds_sum", run=run) > 0
+    assert value(after, "elasticrl_rpcs_received_total", service="elasticrl.v1.Scheduler", method="SubmitIteration") >= 1
+    assert value(after, "elasticrl_rpcs_received_total", service="elasticrl.v1.Coordinator", method="Join") >= 5
+
+    # A clean SIGTERM closes the endpoint with the gRPC server.
+    assert coord.stop() == 0
+    with pytest.raises(urllib.error.URLError):
+        get(port, "/healthz")
+
+
+@pytest.mark.timeout(60)
+def test_other_paths_and_methods_and_the_token(coordinator_factory, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    coord, port = with_metrics(coordinator_factory, tmp_path, "--token-file", str(token_file))
+    assert get(port, "/healthz")[::2] == (200, "ok\n")
+    assert get(port, "/nope")[0] == 404
+    status, headers, _ = get(port, "/metrics", method="POST")
+    assert status == 405 and headers["Allow"] == "GET"
+    # The endpoint needs no token. A call with a wrong token is counted under its method, but a
+    # method the server does not serve is counted as "unknown", never under the name sent.
+    with CoordinatorClient(coord.address, token="wrong", reconnect_timeout_s=2) as wrong:
+        with pytest.raises(AuthError):
+            wrong.join("t", "x")
+    with grpc.insecure_channel(coord.address) as channel:
+        for token in ("wrong", "s3cret"):
+            with pytest.raises(grpc.RpcError):
+                channel.unary_unary("/elasticrl.v1.Coordinator/NoSuchMethod")(
+                    b"", timeout=HTTP_TIMEOUT_S, metadata=[("authorization", f"Bearer {token}")]
+                )
+    samples = scrape(port)
+    assert value(samples, "elasticrl_rpcs_received_total", service="elasticrl.v1.Coordinator", method="Join") == 1
+    assert value(samples, "elasticrl_rpcs_received_total", service="unknown", method="unknown") == 2
+    assert not [k for k in samples if ("method", "NoSuchMethod") in k[1]], samples
+    assert value(samples, "elasticrl_member_joins_total", run="t") == 0
+    with CoordinatorClient(coord.address, token="s3cret") as good:
+        good.join("t", "x")
+    samples = scrape(port)
+    assert value(samples, "elasticrl_rpcs_received_total", service="elasticrl.v1.Coordinator", method="Join") == 2
+    assert value(samples, "elasticrl_member_joins_total", run="t") == 1
+
+
+@pytest.mark.timeout(60)
+def test_bad_metrics_flags_fail_with_one_line_and_status_2(coordinator_factory, tmp_path):
+    coord, taken = with_metrics(coordinator_factory, tmp_path)
+    base = [sys.executable, "-m", "elasticrl", "coordinator", "--port", "0"]
+    cases = [
+        (["--metrics-port", "70000"], "metrics_port: 70000 is not a TCP port"),
+        (["--metrics-port", "-1"], "metrics_port: -1 is not a TCP port"),
+        (["--metrics-port-file", str(tmp_path / "f")], "metrics_port_file: needs metrics_port"),
+        (["--metrics-port", str(taken)], f"metrics_port: could not bind 127.0.0.1:{taken}"),
+    ]
+    for args, message in cases:
+        out = subprocess.run(base + args, capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert out.returncode == 2, (args, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("elasticrl coordinator: ") and message in lines[0], out.stderr
+    out = subprocess.run(base[:4] + ["--help"], capture_output=True, text=True, timeout=30, cwd=REPO)
+    help_text = " ".join(out.stdout.split())
+    assert "--metrics-port PORT" in help_text and "No token check" in help_text
+
+
+@pytest.mark.timeout(30)
+def test_endpoint_answers_a_silent_client_after_its_read_deadline():
+    async def main():
+        ep = MetricsEndpoint(Registry(), "127.0.0.1", 0)
+        ep.READ_TIMEOUT_S = 0.2
+        await ep.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", ep.port)
+            reply = await asyncio.wait_for(reader.read(), 10)  # the server closes: EOF
+            writer.close()
+            assert reply.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in reply
+            # The endpoint still serves afterwards.
+            reader, writer = await asyncio.open_connection("127.0.0.1", ep.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            reply = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert reply.startswith(b"HTTP/1.1 200 OK") and reply.endswith(b"\r\n\r\nok\n")
+        finally:
+            await ep.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_render_answers_500_and_the_endpoint_keeps_serving():
+    class Broken(Registry):
+        def render(self) -> str:
+            raise RuntimeError("bug")
+
+    async def main():
+        ep = MetricsEndpoint(Broken(), "127.0.0.1", 0)
+        await ep.start()
+        try:
+            replies = []
+            for path in ("/metrics", "/healthz"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", ep.port)
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+                replies.append(await asyncio.wait_for(reader.read(), 5))
+                writer.close()
+        finally:
+            await ep.stop()
+        return replies
+
+    broken, health = asyncio.run(asyncio.wait_for(main(), 20))
+    assert broken.startswith(b"HTTP/1.1 500 ") and health.startswith(b"HTTP/1.1 200 OK")

@@ -1,0 +1,232 @@
+"""WeightStore and WeightUpload without a server: versions as fencing tokens, idempotent
+re-publish, torn and corrupted uploads, restart from disk, waiters; pack/unpack of state dicts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
+from elasticrl.scheduler.weights import (
+    CURRENT,
+    WeightStore,
+    pack_state_dict,
+    sha256_hex,
+    unpack_state_dict,
+)
+
+RUN = "run-a"
+
+
+def blob_of(seed: int, n: int = 64) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return pack_state_dict({"w": torch.randn(n, generator=g), "b": torch.full((3,), float(seed))})
+
+
+def upload(store: WeightStore, version: int, data: bytes, *, run: str = RUN, chunk: int = 50, sha: str | None = None):
+    """Feed ``data`` through an upload in ``chunk``-byte pieces; returns the verified blob."""
+    up = store.begin(run_id=run, version=version, total_bytes=len(data), sha256=sha or sha256_hex(data), format="safetensors")
+    for i, offset in enumerate(range(0, len(data), chunk)):
+        up.add(i, offset, data[offset:offset + chunk])
+    return up.finish()
+
+
+def publish(store: WeightStore, version: int, data: bytes, **kwargs) -> bool:
+    return asyncio.run(store.commit(upload(store, version, data, **kwargs)))
+
+
+def test_versions_must_increase_and_the_error_names_both():
+    store = WeightStore(None)
+    assert store.latest(RUN) is None
+    assert publish(store, 1, blob_of(1)) is True
+    assert publish(store, 5, blob_of(5)) is True
+    assert store.latest(RUN).version == 5
+    with pytest.raises(FencedError, match=r"version 3 is older than the stored version 5"):
+        upload(store, 3, blob_of(3))
+    with pytest.raises(FencedError, match=r"version 5 is already stored"):
+        upload(store, 5, blob_of(6))  # same version, other bytes
+    assert store.latest(RUN).version == 5 and bytes(store.latest(RUN).data) == blob_of(5)
+    assert publish(store, 1, blob_of(1), run="run-b") is True  # versions are per run
+
+
+def test_republishing_the_same_version_and_bytes_is_an_idempotent_ok():
+    store = WeightStore(None)
+    assert publish(store, 2, blob_of(2)) is True
+    first = store.latest(RUN)
+    assert publish(store, 2, blob_of(2)) is False
+    assert store.latest(RUN) is first
+
+
+def test_commit_rechecks_the_version_against_a_publish_that_finished_meanwhile():
+    store = WeightStore(None)
+    older = upload(store, 2, blob_of(2))  # both begin while nothing is stored
+    newer = upload(store, 3, blob_of(3))
+    assert asyncio.run(store.commit(newer)) is True
+    with pytest.raises(FencedError, match="version 2 is older than the stored version 3"):
+        asyncio.run(store.commit(older))
+    assert store.latest(RUN).version == 3
+
+
+@pytest.mark.parametrize(
+    "corrupt,match",
+    [
+        ("flip", r"sha256: the \d+ bytes received hash to"),
+        ("torn", r"total_bytes: the stream ended after \d+ of \d+ bytes"),
+        ("gap", r"chunk 1: offset 100, expected 50"),
+        ("overrun", r"past total_bytes"),
+    ],
+)
+def test_a_corrupted_or_torn_upload_is_refused_and_the_previous_version_stays(corrupt, match):
+    store = WeightStore(None)
+    publish(store, 1, blob_of(1))
+    data = blob_of(2)
+    up = store.begin(run_id=RUN, version=2, total_bytes=len(data), sha256=sha256_hex(data), format="safetensors")
+    with pytest.raises(InvalidRequestError, match=match):
+        if corrupt == "flip":
+            bad = bytearray(data)
+            bad[-1] ^= 0xFF
+            up.add(0, 0, bytes(bad))
+        elif corrupt == "torn":
+            up.add(0, 0, data[:-10])
+        elif corrupt == "gap":
+            up.add(0, 0, data[:50])
+            up.add(1, 100, data[100:])
+        else:
+            up.add(0, 0, data + b"extra")
+        up.finish()
+    assert store.latest(RUN).version == 1 and bytes(store.latest(RUN).data) == blob_of(1)
+
+
+def test_a_later_chunk_may_not_switch_blobs():
+    store = WeightStore(None)
+    data = blob_of(1)
+    up = store.begin(run_id=RUN, version=1, total_bytes=len(data), sha256=sha256_hex(data), format="safetensors")
+    up.check_header(1, run_id="", version=0, total_bytes=0, sha256="", format="")  # empty: fine
+    with pytest.raises(InvalidRequestError, match=r"chunk 1: version 2 differs from the first chunk's 1"):
+        up.check_header(1, run_id=RUN, version=2, total_bytes=0, sha256="", format="")
+
+
+@pytest.mark.parametrize(
+    "fields,error,match",
+    [
+        ({"format": "pickle"}, InvalidRequestError, r"format: 'pickle' is not supported"),
+        ({"sha256": "abc"}, InvalidRequestError, r"sha256: 'abc' is not 64 lowercase hex digits"),
+        ({"version": -2}, InvalidRequestError, r"version: -2 must be >= 0"),
+        ({"total_bytes": 0}, InvalidRequestError, r"total_bytes: 0 must be >= 1"),
+        ({"total_bytes": 1001}, ResourceLimitError, r"total_bytes: 1001 bytes .* exceeds this coordinator's weights limit of 1000"),
+        ({"run_id": "../etc"}, InvalidRequestError, r"run_id: '../etc' is not a valid id"),
+    ],
+)
+def test_bad_upload_headers_are_refused_before_any_transfer(fields, error, match):
+    store = WeightStore(None, max_blob_bytes=1000)
+    args = {"run_id": RUN, "version": 1, "total_bytes": 10, "sha256": "0" * 64, "format": "safetensors", **fields}
+    with pytest.raises(error, match=match):
+        store.begin(**args)
+
+
+def test_bytes_that_are_not_safetensors_are_refused():
+    store = WeightStore(None)
+    junk = b"\x80\x04\x95 not a safetensors file, maybe a pickle"
+    with pytest.raises(InvalidRequestError, match="safetensors header"):
+        upload(store, 1, junk)
+    assert store.latest(RUN) is None
+
+
+def test_a_restarted_store_serves_the_newest_version_from_disk(tmp_path):
+    root = tmp_path / "weights"
+    store = WeightStore(root)
+    publish(store, 1, blob_of(1))
+    publish(store, 2, blob_of(2))
+    files = sorted(p.name for p in (root / RUN).iterdir())
+    assert files == [CURRENT, f"v{2:020d}.safetensors"], files  # the older blob is gone
+    (root / RUN / "v00000000000000000003.safetensors.tmp").write_bytes(b"half a blob")  # a crash mid-write
+
+    again = WeightStore(root)
+    blob = again.latest(RUN)
+    assert blob is not None and blob.version == 2 and bytes(blob.data) == blob_of(2)
+    assert blob.sha256 == sha256_hex(blob_of(2))
+    assert not list((root / RUN).glob("*.tmp"))
+    with pytest.raises(FencedError, match="older than the stored version 2"):  # versions survive too
+        upload(again, 1, blob_of(1))
+
+
+def test_a_blob_written_but_never_made_current_is_ignored_on_restart(tmp_path):
+    root = tmp_path / "weights"
+    publish(WeightStore(root), 1, blob_of(1))
+    orphan = root / RUN / f"v{2:020d}.safetensors"  # crash after the blob's rename, before current.json
+    orphan.write_bytes(blob_of(2))
+    again = WeightStore(root)
+    assert again.latest(RUN).version == 1
+    assert not orphan.exists()
+
+
+def test_a_damaged_blob_on_disk_is_not_served(tmp_path, caplog):
+    root = tmp_path / "weights"
+    publish(WeightStore(root), 1, blob_of(1))
+    meta = json.loads((root / RUN / CURRENT).read_text())
+    path = root / RUN / meta["file"]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    publish(WeightStore(root), 1, blob_of(1), run="run-b")  # another run loads fine beside it
+    again = WeightStore(root)
+    assert again.latest(RUN) is None
+    assert again.latest("run-b").version == 1
+    assert "damaged" in caplog.text
+
+
+def test_a_waiter_is_woken_by_a_publish():
+    store = WeightStore(None)
+    publish(store, 1, blob_of(1))
+
+    async def scenario():
+        waiter = asyncio.create_task(store.wait_newer(RUN, 1, 30.0))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        await store.commit(upload(store, 1, blob_of(1)))  # an idempotent re-publish wakes nobody
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        await store.commit(upload(store, 2, blob_of(2)))
+        return await asyncio.wait_for(waiter, 2.0)
+
+    blob = asyncio.run(scenario())
+    assert blob.version == 2 and bytes(blob.data) == blob_of(2)
+
+
+def test_wait_returns_at_once_when_newer_and_none_after_the_wait():
+    store = WeightStore(None)
+
+    async def scenario():
+        nothing_yet = await store.wait_newer(RUN, -1, 0.0)
+        await store.commit(upload(store, 4, blob_of(4)))
+        newer = await store.wait_newer(RUN, -1, 0.0)
+        held = await asyncio.wait_for(store.wait_newer(RUN, 4, 0.01), 2.0)
+        return nothing_yet, newer, held
+
+    nothing_yet, newer, held = asyncio.run(scenario())
+    assert nothing_yet is None
+    assert newer.version == 4
+    assert held is None
+
+
+def test_pack_unpack_round_trip_keeps_dtypes_shapes_values_and_tied_weights():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(10, 4, generator=g)
+    state = {
+        "embed.weight": emb,
+        "lm_head.weight": emb,  # tied: the same tensor twice
+        "proj.weight": torch.randn(4, 6, generator=g).t(),  # not contiguous
+        "half": torch.randn(5, generator=g).to(torch.bfloat16),
+        "steps": torch.tensor([3], dtype=torch.int64),
+        "slice": torch.arange(20, dtype=torch.float32)[5:8],  # a view of a larger storage
+    }
+    out = unpack_state_dict(pack_state_dict(state, metadata={"version": "7"}))
+    assert sorted(out) == sorted(state)
+    for name, t in state.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape, name
+        assert torch.equal(out[name], t), name
+    with pytest.raises(TypeError, match=r"state\['x'\]: list is not a tensor"):
+        pack_state_dict({"x": [1, 2]})
