@@ -15,8 +15,8 @@ reads rank 0's per-iteration timings from metrics.jsonl (every phase is timed in
 * ``fetch``: streaming this rank's shard of the sealed batch from the coordinator,
 * ``eval``: on evaluation iterations, rank 0 fetching the held-out groups,
 * ``update``: the policy update (the configured strategy), ``push``: handing the new weights to
-  the local engine and (``publish``, part of push) uploading them to the coordinator for
-  rollout-only workers,
+  the local engine (``publish``, part of push: waiting for the previous iteration's background
+  upload of the weights to the coordinator, for rollout-only workers),
 * ``checkpoint``: on the iterations that save one.
 
 Coordination = barrier + submit + seal + fetch, as a share of the iteration. The first ``--skip``
@@ -74,7 +74,7 @@ def summarize(records: list[dict], skip: int) -> dict:
 def table(summary: dict) -> str:
     mean, total = summary["mean_s"], summary["mean_s"]["total"]
     lines = [f"{'phase':<14} {'mean ms':>9} {'share':>7}", "-" * 32]
-    labels = {"rollout_work": "rollout (gen)", "barrier": "barriers", "publish": "  of it publish"}
+    labels = {"rollout_work": "rollout (gen)", "barrier": "barriers", "publish": "  upload wait"}
     for k in ("rollout_work", "update", "push", "publish", "eval", "checkpoint", "barrier", "submit", "seal", "fetch"):
         lines.append(f"{labels.get(k, k):<14} {1000 * mean[k]:>9.1f} {mean[k] / total:>7.1%}")
     lines.append("-" * 32)

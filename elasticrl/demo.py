@@ -65,6 +65,10 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after this many seconds (default: %(default)s)")
     p.add_argument("--lease-ttl", type=float, default=3.0, metavar="S", help="coordinator lease, seconds (default: %(default)s)")
     p.add_argument(
+        "--metrics-port", type=int, metavar="PORT",
+        help="the coordinator also serves Prometheus metrics on 127.0.0.1:PORT (curl it during the run; default: off)",
+    )
+    p.add_argument(
         "--kill-at", type=int, default=0, metavar="ITER",
         help="SIGKILL the last node (agent and worker) once iteration ITER is reported, to watch the "
         "others re-form and resume from the newest checkpoint; 0 never (default: %(default)s)",
@@ -247,8 +251,9 @@ class Demo:
         port_file = os.path.join(self.run_dir, "coordinator.port")
         with contextlib.suppress(FileNotFoundError):
             os.remove(port_file)  # a previous run's port (same --out) would be read as ours
+        extra = [] if self.args.metrics_port is None else ["--metrics-port", str(self.args.metrics_port)]
         cmd = coordinator_command(
-            port_file, lease_ttl_s=self.args.lease_ttl, state_dir=os.path.join(self.run_dir, "coordinator")
+            port_file, lease_ttl_s=self.args.lease_ttl, state_dir=os.path.join(self.run_dir, "coordinator"), extra_args=extra,
         )
         child = _spawn("coordinator", cmd, os.path.join(self.logs, "coordinator.log"), self.env, pipe=False)
         self.children.append(child)
@@ -380,6 +385,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         print(f"  config       {args.config}")
         print(f"  run dir      {demo.run_dir}")
         print(f"  coordinator  {address}  (pid {coordinator.proc.pid}, log {coordinator.log_path})")
+        if args.metrics_port is not None:
+            print(f"  metrics      curl http://127.0.0.1:{args.metrics_port}/metrics")
         print(f"  rendezvous   {backend} at {rdzv_endpoint}{note}")
         nodes = []
         for k in range(args.nodes):

@@ -124,6 +124,7 @@ class NodeTrainer:
         self.last_checkpoint = ""
         self.device = torch.device("cpu")
         self._presubmitted: tuple[int, threading.Thread, list[BaseException]] | None = None
+        self._publishing: tuple[threading.Thread, list[BaseException]] | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -270,28 +271,52 @@ class NodeTrainer:
 
     def _push(self, version: int) -> float:
         """Put policy ``version`` into this node's engine and (rank 0) on the coordinator for
-        rollout-only workers; open the gate for tasks that need it. Returns seconds spent publishing."""
+        rollout-only workers; open the gate for tasks that need it. The upload runs in the
+        background (a rollout-only worker waits for the version its task names anyway); returns
+        the seconds spent waiting for the previous upload."""
         state = None
         if self.shares_module:
             with self.engine_lock:
                 self.engine.set_version(version)
         else:
-            state = self.strategy.full_model_state_dict(all_ranks=True)  # collective
+            state = self.strategy.full_model_state_dict(all_ranks=True)  # collective; CPU copies
             with self.engine_lock:
                 self.engine.update_weights(state.items(), version=version)
         self.version = version
         self.gate.advance(version)
-        published = 0.0
-        if self.world.rank == 0 and self.cfg.rollout.publish_weights:
-            t0 = time.monotonic()
-            if state is None:
-                with self.engine_lock:
-                    state = {k: v.detach().cpu() for k, v in self.strategy.unwrap().state_dict().items()}
-            self.client.publish_weights(
-                rollout_run(self.cfg.run.run_id), weights_version(self.generation, version), pack_state_dict(state),
-            )
-            published = time.monotonic() - t0
-        return published
+        if self.world.rank != 0 or not self.cfg.rollout.publish_weights:
+            return 0.0
+        if state is None:  # a copy: the optimizer changes the shared module while the upload runs
+            with self.engine_lock:
+                state = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.unwrap().state_dict().items()}
+        waited = self._wait_published()
+        failure: list[BaseException] = []
+        run, wversion = rollout_run(self.cfg.run.run_id), weights_version(self.generation, version)
+
+        def publish() -> None:
+            try:
+                self.client.publish_weights(run, wversion, pack_state_dict(state))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by _wait_published
+                failure.append(exc)
+
+        thread = threading.Thread(target=publish, name=f"publish-{version}", daemon=True)
+        thread.start()
+        self._publishing = (thread, failure)
+        return waited
+
+    def _wait_published(self) -> float:
+        """Wait for the previous weight upload; re-raise its failure. Returns the seconds waited."""
+        pending, self._publishing = self._publishing, None
+        if pending is None:
+            return 0.0
+        thread, failure = pending
+        t0 = time.monotonic()
+        thread.join(timeout=self.cfg.coordinator.reconnect_timeout_s + 300)
+        if thread.is_alive():
+            raise ElasticRLError("publishing the policy weights to the coordinator did not finish in time")
+        if failure:
+            raise failure[0]
+        return time.monotonic() - t0
 
     def _sleep_engine(self) -> None:
         if not self.shares_module and self.cfg.engine.sleep_during_update and self.device.type == "cuda":
@@ -585,6 +610,7 @@ class NodeTrainer:
                 self._export()
             if self.world.rank == 0 and self.last_checkpoint:
                 log.info("finished %d iterations; last checkpoint %s", self.cfg.run.iterations, self.last_checkpoint)
+            self._wait_published()
             self._finish()
         finally:
             self.close()

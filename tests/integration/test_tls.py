@@ -1,0 +1,84 @@
+"""Server TLS the way deploy/README.md sets it up: a self-signed CA made in the test signs the
+coordinator's certificate (SAN = the address clients dial); clients trust the CA, not the
+certificate. Every client surface (coordinator calls, scheduler calls, the weight stream, the
+``elasticrl status`` CLI) works over it with the token, and fails clearly without either."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from elasticrl.errors import AuthError, CoordinatorUnavailableError
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def pki(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make the test's certificates")
+    d = tmp_path / "pki"
+    d.mkdir()
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+            "-subj", "/CN=elasticrl test CA", cwd=d)
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "coordinator.key", "-out", "coordinator.csr",
+            "-subj", "/CN=coordinator", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "coordinator.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "coordinator.crt", "-days", "1", "-extfile", "san.ext", cwd=d)
+    # A second, unrelated CA: a client trusting it must not connect.
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.crt", "-days", "1",
+            "-subj", "/CN=someone else", cwd=d)
+    (d / "token").write_text("tls-test-token\n")
+    return d
+
+
+def test_every_client_surface_over_tls_with_a_token(coordinator_factory, pki):
+    import torch
+
+    from elasticrl.scheduler.client import SchedulerClient
+    from elasticrl.scheduler.state import Sampling, TaskSpec
+    from elasticrl.scheduler.weights import pack_state_dict, unpack_state_dict
+
+    coord = coordinator_factory(extra_args=[
+        "--tls-cert", str(pki / "coordinator.crt"), "--tls-key", str(pki / "coordinator.key"),
+        "--token-file", str(pki / "token"),
+    ])
+    ca, token = str(pki / "ca.crt"), "tls-test-token"
+    with SchedulerClient(coord.address, tls_ca=ca, token=token, call_timeout_s=5, reconnect_timeout_s=5) as client:
+        assert client.join("r.workers", "a").epoch == 1
+        client.kv_set("r.workers", {b"k": b"v"})
+        client.submit_iteration("r.rollout", 1, [TaskSpec(task_id="t0", prompt_ids=[1, 2], num_samples=2, sampling=Sampling())])
+        assert client.iteration_status("r.rollout", 1)["tasks_total"] == 1
+        weights = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+        client.publish_weights("r.rollout", 1, pack_state_dict(weights))
+        version, blob = client.fetch_weights("r.rollout", have_version=0)
+        assert version == 1 and torch.equal(unpack_state_dict(blob)["w"], weights["w"])
+
+    status = subprocess.run(
+        [sys.executable, "-m", "elasticrl.cli", "status", "--coordinator", coord.address, "--tls-ca", ca,
+         "--token-file", str(pki / "token"), "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    assert {r["snapshot"]["run_id"] for r in json.loads(status.stdout)["runs"]} >= {"r.workers"}
+
+    with SchedulerClient(coord.address, tls_ca=ca, call_timeout_s=2, reconnect_timeout_s=2) as no_token:
+        with pytest.raises(AuthError):
+            no_token.join("r.workers", "b")
+    with SchedulerClient(coord.address, tls_ca=str(pki / "other.crt"), token=token, call_timeout_s=2,
+                         reconnect_timeout_s=2) as wrong_ca:
+        with pytest.raises(CoordinatorUnavailableError):
+            wrong_ca.join("r.workers", "c")
+    with SchedulerClient(coord.address, token=token, call_timeout_s=2, reconnect_timeout_s=2) as plaintext:
+        with pytest.raises(CoordinatorUnavailableError):
+            plaintext.join("r.workers", "d")
