@@ -2,16 +2,25 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch; a bare `torch` requirement would pull several GB of CUDA wheels.
+# torch, pinned and installed first: a bare `torch` requirement would pull several GB of CUDA
+# wheels. On the project's machines the pin resolves to a CPU wheel already on disk; elsewhere, on
+# Linux, PyPI's torch is the CUDA build: add TORCH_INDEX=https://download.pytorch.org/whl/cpu.
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
 .PHONY: venv test demo proto bench lint clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# Two stages: what the demo needs (torch, the package, matplotlib), then what the tests add
+# (pytest, transformers, DeepSpeed, the deploy/ checkers), so a first `make demo` installs less.
+$(VENV)/.installed-demo: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-demo
 	$(PY) -m pip install -q -e ".[dev]"
 	# DeepSpeed's setup imports torch, so it builds against the torch installed above.
 	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.16"
@@ -22,7 +31,7 @@ venv: $(VENV)/.installed
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-demo: venv
+demo: $(VENV)/.installed-demo
 	$(PY) -m elasticrl.demo
 
 proto: venv

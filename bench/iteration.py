@@ -6,20 +6,25 @@ push / barriers / checkpoint, and the share the coordination takes.
 It runs the real demo (a local coordinator plus ``--nodes`` torchrun agents on this machine) and
 reads rank 0's per-iteration timings from metrics.jsonl (every phase is timed inside the node):
 
-* ``barrier``: the two leased barriers per iteration (start, and before the update),
-* ``submit``: rank 0 submitting the iteration's tasks to the scheduler,
+* ``barrier``: the leased barrier after the seal, where a dead trainer node is noticed,
+* ``submit``: rank 0 submitting the iteration's tasks to the scheduler (0 when ``rollout.presubmit``
+  sent them during the previous update, off the critical path),
 * ``rollout``: from then until the seal is known (the engines generate meanwhile),
-* ``seal``: the part of ``rollout`` after the coordinator's own submit->seal time (the seal
-  notification, i.e. pure coordination), measured as rank 0's rollout minus the manifest's
-  ``elapsed_s``,
-* ``fetch``: streaming this rank's shard of the sealed batch from the coordinator,
-* ``eval``: on evaluation iterations, rank 0 fetching the held-out groups,
+* ``seal``: the part of ``rollout`` after the coordinator decided the seal: persisting it, writing
+  the manifest, waking rank 0's ``WaitSealed`` and building its reply (the manifest's
+  ``sealed_ago_s``; the reply's transit back is not in it),
+* ``fetch``: streaming this rank's shard of the sealed batch from the coordinator, and the
+  all-reduce of the batch's counts that waits for every rank's fetch,
+* ``eval``: on evaluation iterations, rank 0 fetching the held-out groups from the coordinator,
 * ``update``: the policy update (the configured strategy), ``push``: handing the new weights to
   the local engine (``publish``, part of push: waiting for the previous iteration's background
   upload of the weights to the coordinator, for rollout-only workers),
-* ``checkpoint``: on the iterations that save one.
+* ``checkpoint``: the save after the previous iteration, when it saved one (a record is written
+  before its iteration's checkpoint, so the save shows up in the next record).
 
-Coordination = barrier + submit + seal + fetch, as a share of the iteration. The first ``--skip``
+Coordination = barriers + seal + fetch (the issue's definition; goal < 5% of an iteration), and
+the broader sum that adds submit and eval (every phase that talks to the coordinator or waits
+for the other ranks). The first ``--skip``
 iterations (process start-up, first rendezvous) are left out.
 """
 
@@ -45,7 +50,7 @@ def summarize(records: list[dict], skip: int) -> dict:
         raise SystemExit(f"no iterations after --skip {skip}: run more --iterations")
     per = []
     for r in rows:
-        seal = max(0.0, r["t_rollout"] - r["seal_s"])
+        seal = r["t_seal"]
         per.append({
             "iteration": r["iteration"],
             "total": r["seconds"] + r.get("t_checkpoint", 0.0),
@@ -61,12 +66,15 @@ def summarize(records: list[dict], skip: int) -> dict:
             "checkpoint": r.get("t_checkpoint", 0.0),
         })
     mean = {k: statistics.fmean(p[k] for p in per) for k in ("total", *PHASES)}
-    coordination = mean["barrier"] + mean["submit"] + mean["seal"] + mean["fetch"]
+    coordination = mean["barrier"] + mean["seal"] + mean["fetch"]
+    broad = coordination + mean["submit"] + mean["eval"]
     return {
         "iterations": len(per),
         "mean_s": mean,
         "coordination_s": coordination,
         "coordination_share": coordination / mean["total"],
+        "coordination_with_submit_eval_s": broad,
+        "coordination_with_submit_eval_share": broad / mean["total"],
         "per_iteration": per,
     }
 
@@ -80,8 +88,12 @@ def table(summary: dict) -> str:
     lines.append("-" * 32)
     lines.append(f"{'iteration':<14} {1000 * total:>9.1f} {1:>7.0%}")
     lines.append(
-        f"coordination (barriers + submit + seal + fetch): {1000 * summary['coordination_s']:.1f} ms = "
+        f"coordination (barriers + seal + fetch): {1000 * summary['coordination_s']:.1f} ms = "
         f"{summary['coordination_share']:.1%} of an iteration (goal < 5%)"
+    )
+    lines.append(
+        f"  with submit and eval: {1000 * summary['coordination_with_submit_eval_s']:.1f} ms = "
+        f"{summary['coordination_with_submit_eval_share']:.1%}"
     )
     return "\n".join(lines)
 

@@ -130,6 +130,10 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     from elasticrl import config as cfgmod
 
     try:
+        if args.slots < 0:
+            raise cfgmod.ConfigError(f"--slots: {args.slots} must be >= 1 (or 0: the config's rollout.slots)")
+        if not args.weight > 0:
+            raise cfgmod.ConfigError(f"--weight: {args.weight} must be > 0 (a share of the static policy)")
         cfg = cfgmod.load_config(args.config, cfgmod.parse_overrides(overrides))
         if args.coordinator:
             cfg = dataclasses.replace(cfg, coordinator=dataclasses.replace(cfg.coordinator, address=args.coordinator))
@@ -144,6 +148,9 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
 
     try:
         return rollout_only.run(cfg, member_id=args.member_id or "", slots=args.slots, weight=args.weight)
+    except cfgmod.ConfigError as exc:  # what the config names does not exist here (model.path, ...)
+        print(f"elasticrl rollout: {exc}", file=sys.stderr)
+        return 2
     except ElasticRLError as exc:
         print(f"elasticrl rollout: {exc}", file=sys.stderr)
         return 1

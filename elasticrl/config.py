@@ -203,7 +203,8 @@ class RolloutConfig:
     """How completions are sampled, and how the coordinator's scheduler hands out the groups."""
 
     temperature: float = 1.0
-    """Sampling temperature; 1.0 samples from the policy itself (what the loss assumes)."""
+    """Sampling temperature; 1.0 samples from the policy itself. The update recomputes logprobs at
+    the same temperature, so the importance ratio compares the distributions the samples came from."""
     max_new_tokens: int = 0
     """Longest completion, tokens; 0 means the task's own limit."""
     policy: str = "dynamic"
@@ -421,12 +422,14 @@ class NodeConfig:
             return self.engine.name
         return "tiny" if self.model.kind == "tiny" else "hf"
 
-    def resolved(self, env: Mapping[str, str] = os.environ) -> "NodeConfig":
-        """A copy with run.run_id, run.run_dir and coordinator.address filled in from the environment."""
+    def resolved(self, env: Mapping[str, str] = os.environ, *, require_address: bool = True) -> "NodeConfig":
+        """A copy with run.run_id, run.run_dir and coordinator.address filled in from the
+        environment; ``ConfigError`` if no address is known, unless ``require_address`` is False
+        (printing a config needs no coordinator)."""
         run_id = self.run.run_id or env.get(RUN_ID_ENV) or "local"
         address = self.coordinator.address or env.get(COORDINATOR_ENV, "")
         _check(
-            bool(address),
+            bool(address) or not require_address,
             f"coordinator.address is not set: pass --coordinator.address=HOST:PORT or export {COORDINATOR_ENV}=HOST:PORT "
             "(start one with `elasticrl coordinator`)",
         )
@@ -500,7 +503,7 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
     it = iter(args)
     for arg in it:
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"{arg!r}: expected --section.key=value (e.g. --train.lr=1e-3)")
+            raise ConfigError(f"{arg!r}: expected --section.key=value (e.g. --trainer.lr=1e-3)")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
         else:

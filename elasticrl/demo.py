@@ -75,8 +75,14 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
     )
     p.add_argument(
         "--kill-phase", choices=["boundary", "rollout", "update"], default="boundary",
-        help="when --kill-at strikes: after iteration ITER is reported (boundary), while ITER's rollout "
-        "is under way (rollout), or right after ITER seals, during its policy update (update) (default: %(default)s)",
+        help="when --kill-at strikes: after iteration ITER is reported (boundary), during the rollout of "
+        "ITER (or the first later one) once the node has delivered some of its groups (rollout), or right "
+        "after ITER seals, during its policy update (update) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--own-checkpoints", action="store_true",
+        help="every node keeps its checkpoints in RUN_DIR/node-K/checkpoints (checkpoint.every_node), as hosts "
+        "without a shared filesystem do; a re-formed world resumes from the newest any node holds",
     )
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="extra --section.key=value overrides for every node, after --")
     return p
@@ -239,8 +245,11 @@ class Demo:
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     scheduler: object = None
-    header_shown: bool = False
     """SchedulerClient, opened when --kill-phase needs to watch an iteration."""
+    header_shown: bool = False
+    kill_iteration: int = 0
+    """--kill-phase rollout: the iteration watched now (--kill-at, or a later one if the victim
+    delivered no group of it before it sealed)."""
 
     @property
     def logs(self) -> str:
@@ -260,6 +269,10 @@ class Demo:
         port = wait_for_port(child.proc, port_file, timeout_s=COORDINATOR_START_S, log_path=child.log_path)
         return f"127.0.0.1:{port}"
 
+    def node_dir(self, k: int) -> str:
+        """Node k's own directory (--own-checkpoints)."""
+        return os.path.join(self.run_dir, f"node-{k}")
+
     def start_node(self, k: int, rdzv_endpoint: str, node_args: list[str]) -> Child:
         """One torchrun agent with one elasticrl.node worker, its output streamed by a thread."""
         a = self.args
@@ -270,9 +283,10 @@ class Demo:
         ]
         if self.backend == "c10d":
             cmd.append(f"--rdzv-conf=is_host={'true' if k == 0 else 'false'}")
+        own = [f"--checkpoint.dir={self.node_dir(k)}/checkpoints", "--checkpoint.every_node=true"] if a.own_checkpoints else []
         cmd += [
             "-m", "elasticrl.node", "--config", os.path.abspath(a.config),
-            f"--run.run_id={self.run_id}", f"--run.run_dir={self.run_dir}", *node_args,
+            f"--run.run_id={self.run_id}", f"--run.run_dir={self.run_dir}", *own, *node_args,
         ]
         env = dict(self.env, ELASTICRL_NODE_NAME=f"node-{k}")  # all "nodes" share this host's name
         child = _spawn(f"node-{k}", cmd, os.path.join(self.logs, f"node-{k}.log"), env, pipe=True)
@@ -286,7 +300,7 @@ class Demo:
         with self.echo:
             print(text, flush=True)
 
-    def _kill_moment(self) -> str | None:
+    def _kill_moment(self, victim: Child) -> str | None:
         """Why now is the moment --kill-at/--kill-phase asked for, or None if it is not yet."""
         a = self.args
         if a.kill_phase == "boundary":
@@ -297,16 +311,23 @@ class Demo:
             from elasticrl.scheduler.client import SchedulerClient
 
             self.scheduler = SchedulerClient(self.env["ELASTICRL_COORDINATOR"], call_timeout_s=5)
+        target = max(a.kill_at, self.kill_iteration)
         try:
-            m = self.scheduler.iteration_status(f"{self.run_id}.rollout", a.kill_at)
+            m = self.scheduler.iteration_status(f"{self.run_id}.rollout", target)
         except Exception:  # noqa: BLE001 - the coordinator may be busy; look again next time
             return None
         if m is None:
             return None
-        if a.kill_phase == "rollout" and not m["sealed"] and 0 < m["tasks_done"] < m["tasks_total"]:
-            return f"during the rollout of iteration {a.kill_at} ({m['tasks_done']}/{m['tasks_total']} groups done)"
-        if a.kill_phase == "update" and m["sealed"]:
-            return f"right after iteration {a.kill_at} sealed, during its update"
+        if a.kill_phase == "update":
+            return f"right after iteration {target} sealed, during its update" if m["sealed"] else None
+        # Its engine joins the scheduler as <node name>-<local rank>.
+        by_victim = sum(n["done"] for n in m["nodes"] if n["node"].startswith(f"{victim.name}-"))
+        if m["sealed"]:  # it sealed before the victim delivered a group: strike in the next one
+            self.kill_iteration = target + 1
+            return None
+        if by_victim > 0 and m["tasks_done"] < m["tasks_total"]:
+            return (f"during the rollout of iteration {target} ({m['tasks_done']}/{m['tasks_total']} groups done, "
+                    f"{by_victim} by {victim.name})")
         return None
 
     def watch(self, coordinator: Child, nodes: list[Child], deadline: float) -> None:
@@ -316,7 +337,7 @@ class Demo:
         while any(n.proc.poll() is None for n in nodes):
             for n in nodes:
                 n.remember_descendants()
-            when = self._kill_moment() if victim is not None else None
+            when = self._kill_moment(victim) if victim is not None else None
             if when is not None:
                 self.say(
                     f"  -- killing {victim.name} (SIGKILL, agent and worker) {when}; "

@@ -41,7 +41,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, cfgmod.NodeConfig
     args, rest = parser.parse_known_args(argv)
     try:
         config = cfgmod.load_config(args.config, cfgmod.parse_overrides(rest))
-        config = config.resolved()
+        config = config.resolved(require_address=not args.print_config)
     except cfgmod.ConfigError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
     return args, config

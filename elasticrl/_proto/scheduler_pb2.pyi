@@ -239,7 +239,7 @@ class NodeCounts(_message.Message):
     def __init__(self, node: _Optional[str] = ..., assigned: _Optional[int] = ..., done: _Optional[int] = ..., running: _Optional[int] = ..., refused: _Optional[int] = ..., tokens: _Optional[int] = ..., tasks_per_s: _Optional[float] = ..., slots: _Optional[int] = ..., evicted: _Optional[bool] = ...) -> None: ...
 
 class IterationManifest(_message.Message):
-    __slots__ = ("run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued", "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed", "backups_issued", "nodes", "evicted", "elapsed_s", "tokens", "policy")
+    __slots__ = ("run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued", "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed", "backups_issued", "nodes", "evicted", "elapsed_s", "tokens", "policy", "sealed_ago_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class IterationManifest(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    SEALED_AGO_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     iteration: int
     sealed: bool
@@ -276,7 +277,8 @@ class IterationManifest(_message.Message):
     elapsed_s: float
     tokens: int
     policy: SchedulePolicy
-    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., sealed: _Optional[bool] = ..., seal_reason: _Optional[str] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., requeued: _Optional[int] = ..., refused_duplicate: _Optional[int] = ..., refused_fenced: _Optional[int] = ..., refused_sealed: _Optional[int] = ..., backups_issued: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeCounts, _Mapping]]] = ..., evicted: _Optional[_Iterable[str]] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ...) -> None: ...
+    sealed_ago_s: float
+    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., sealed: _Optional[bool] = ..., seal_reason: _Optional[str] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., requeued: _Optional[int] = ..., refused_duplicate: _Optional[int] = ..., refused_fenced: _Optional[int] = ..., refused_sealed: _Optional[int] = ..., backups_issued: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeCounts, _Mapping]]] = ..., evicted: _Optional[_Iterable[str]] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., sealed_ago_s: _Optional[float] = ...) -> None: ...
 
 class WaitSealedRequest(_message.Message):
     __slots__ = ("run_id", "iteration", "wait_ms")

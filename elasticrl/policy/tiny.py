@@ -78,10 +78,15 @@ class TinyCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def token_logprobs(model: nn.Module, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Log-probability of every token given the ones before it.
+def token_logprobs(model: nn.Module, tokens: torch.Tensor, valid: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of every token given the ones before it, under ``log_softmax(logits / temperature)``
+    (the distribution an engine sampling at ``temperature`` drew from and reported logprobs of).
 
     Returns [B, T - 1]: entry t is log p(tokens[:, t + 1] | tokens[:, :t + 1]).
     """
+    if not temperature > 0:
+        raise ValueError(f"token_logprobs: temperature {temperature!r} must be > 0 (the sampling temperature, 1 for none)")
     logits = model(tokens[:, :-1], valid[:, :-1]).float()  # [B, T-1, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)

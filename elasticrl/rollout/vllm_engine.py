@@ -24,10 +24,13 @@ vLLM APIs relied on (read in vLLM's source and docs, v0.10-v0.2x):
   ``examples/offline_inference/rlhf_utils.py`` does, and as verl/OpenRLHF's vLLM weight sync does.
 * ``LLM.reset_prefix_cache()``: cached prefixes were computed by the old weights.
 
-Weight transfer: tensors go through ``collective_rpc`` arguments, moved to CPU first because
-vLLM's RPC serialiser only carries CPU tensors (``MsgpackEncoder._encode_tensor`` asserts it) and
-the engine core runs in another process. They are sent in chunks of ``weight_chunk_bytes`` so the
-driver never holds a second copy of the whole model in pinned/serialised form. With tensor
+Weight transfer: tensors go through ``collective_rpc`` arguments as ``(name, dtype, shape, bytes)``
+records (``vllm_worker.to_wire``): the engine core runs in another process and decodes RPC
+arguments without type information, which does not rebuild a ``torch.Tensor``. They are sent in
+chunks of ``weight_chunk_bytes`` so the driver never holds a second copy of the whole model in
+serialised form. After a level-2 sleep (weights discarded) an update must cover every parameter:
+the workers report what ``load_weights`` loaded and a partial update is refused. Quantized models
+are refused: their loaders post-process weights after loading, which an in-place update skips. With tensor
 parallelism every rank receives the full tensor and ``load_weights`` cuts its shard, which is
 correct but ships the model tp times; large TP deployments want the NCCL broadcast path of vLLM's
 ``examples/offline_inference/rlhf.py`` (a ``StatelessProcessGroup`` + ``PyNcclCommunicator``
@@ -42,6 +45,7 @@ import inspect
 import logging
 import os
 import time
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -59,28 +63,35 @@ from elasticrl.rollout.engine import (
     WeightUpdateError,
 )
 from elasticrl.rollout.hf_dir import check_model_dir, eos_token_ids, has_tokenizer
-from elasticrl.rollout.vllm_worker import WORKER_EXTENSION
+from elasticrl.rollout.vllm_worker import WORKER_EXTENSION, WireTensor, to_wire
 
 logger = logging.getLogger(__name__)
 
 _VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
 
-def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, CPU tensor) pairs into lists of about ``max_bytes`` (a bigger tensor goes alone)."""
-    chunk: list[tuple[str, torch.Tensor]] = []
+def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[WireTensor]]:
+    """Group (name, tensor) pairs as wire records into lists of about ``max_bytes`` (a bigger
+    tensor goes alone)."""
+    chunk: list[WireTensor] = []
     size = 0
     for name, tensor in named_tensors:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise WeightUpdateError(f"update_weights takes (name, tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})")
-        cpu = tensor.detach().to("cpu").contiguous()
-        if chunk and size + cpu.nbytes > max_bytes:
+        record = to_wire(name, tensor)
+        if chunk and size + len(record[3]) > max_bytes:
             yield chunk
             chunk, size = [], 0
-        chunk.append((name, cpu))
-        size += cpu.nbytes
+        chunk.append(record)
+        size += len(record[3])
     if chunk:
         yield chunk
+
+
+def _spread_seed(seed: int) -> int:
+    """A task's seed, hashed. vLLM seeds sample i of a request with ``seed + i``, and consecutive
+    tasks carry consecutive seeds, so unhashed, sample i of task k would repeat sample 0 of task k+i."""
+    return int.from_bytes(hashlib.blake2b((int(seed) % (1 << 64)).to_bytes(8, "little"), digest_size=7).digest(), "little")
 
 
 class VLLMEngine:
@@ -159,6 +170,12 @@ class VLLMEngine:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(llm_kwargs or {})
+        if kwargs.get("quantization"):
+            raise ValueError(
+                f"llm_kwargs quantization={kwargs['quantization']!r}: in-place weight updates load bf16/fp16 "
+                "tensors and skip the quantization post-processing, so quantized vLLM engines are not supported; "
+                "drop the quantization setting"
+            )
         self._llm: Any = vllm.LLM(**kwargs)
         self._sampling_params_cls = vllm.SamplingParams
         self._wake_takes_tags = "tags" in inspect.signature(self._llm.wake_up).parameters
@@ -236,17 +253,38 @@ class VLLMEngine:
         try:
             for chunk in _chunks(named_tensors, self._chunk_bytes):
                 try:
-                    self._llm.collective_rpc("elasticrl_load_weights", args=(chunk,))
+                    self._llm.collective_rpc("elasticrl_load_weights", args=(chunk, version))
                 except Exception as exc:
                     raise WeightUpdateError(f"update_weights: vLLM rejected a tensor: {exc}") from exc
                 count += len(chunk)
+            if self._weights_discarded:
+                self._check_complete(version)
         finally:
             if kv_asleep:
                 self._llm.wake_up(tags=["kv_cache"])
-            self._llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys/values
+            # Cached prefixes hold the old weights' keys/values. vLLM answers False when it cannot
+            # reset (requests still running); older versions answer None.
+            reset = self._llm.reset_prefix_cache()
+        if reset is False:
+            raise WeightUpdateError("update_weights: vLLM refused to reset its prefix cache; no request may run during an update")
         self._weights_discarded = False
         self._version = version
         logger.info("vllm engine: loaded %d tensors, policy version %d", count, version)
+
+    def _check_complete(self, version: int) -> None:
+        """After a level-2 sleep every parameter must have been reloaded, or generation would read
+        uninitialised memory."""
+        reports = self._llm.collective_rpc("elasticrl_missing_params", args=(version,))
+        if any(r is None for r in reports):
+            logger.warning("vllm engine: the model's load_weights does not report what it loaded; "
+                           "cannot check that version %d reloaded every parameter", version)
+            return
+        missing = sorted({name for r in reports for name in r})
+        if missing:
+            raise WeightUpdateError(
+                f"update_weights: the level-2 sleep discarded the weights and version {version} reloaded only part of "
+                f"them: {len(missing)} parameter(s) missing, e.g. {', '.join(missing[:3])}; push the full state dict"
+            )
 
     def sleep(self) -> None:
         self._check_open()
@@ -308,7 +346,7 @@ class VLLMEngine:
             top_p=spec.top_p,
             top_k=spec.top_k if spec.top_k > 0 else -1,  # -1 disables top-k in every vLLM version
             max_tokens=spec.max_new_tokens,
-            seed=spec.seed,
+            seed=None if spec.seed is None else _spread_seed(spec.seed),
             stop_token_ids=sorted(stop),
             ignore_eos=spec.ignore_eos,
             logprobs=0,  # just the sampled token's logprob

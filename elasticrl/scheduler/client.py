@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 import tenacity
@@ -83,12 +84,19 @@ class SchedulerClient(CoordinatorClient):
         resp = self._call("IterationStatus", request, stub=self._sched)
         return manifest_from_pb(resp.manifest) if resp.found else None
 
-    def wait_sealed(self, run_id: str, iteration: int, timeout_s: float) -> dict:
+    def wait_sealed(
+        self, run_id: str, iteration: int, timeout_s: float, *, check: Callable[[], None] | None = None,
+        check_every_s: float = 1.0,
+    ) -> dict:
         """Block until ``iteration`` seals; returns its manifest. ``CoordinatorTimeoutError`` after
-        ``timeout_s`` (the message says how far it got)."""
+        ``timeout_s`` (the message says how far it got). ``check``, when given, runs every
+        ``check_every_s`` while waiting and may raise to stop the wait (a local engine that died)."""
         give_up = time.monotonic() + timeout_s
+        chunk_s = MAX_WAIT_CHUNK_S if check is None else max(0.05, min(MAX_WAIT_CHUNK_S, check_every_s))
         while True:
-            wait_s = max(0.0, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            if check is not None:
+                check()
+            wait_s = max(0.0, min(chunk_s, give_up - time.monotonic()))
             request = spb.WaitSealedRequest(run_id=run_id, iteration=iteration, wait_ms=round(wait_s * 1000))
             resp = self._call("WaitSealed", request, stub=self._sched, timeout_s=wait_s + DEADLINE_SLACK_S)
             manifest = manifest_from_pb(resp.manifest)

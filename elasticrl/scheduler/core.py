@@ -20,6 +20,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 FENCED_STREAM_GRACE_S = 60.0
 # Sealed iterations whose groups stay in memory per run (trainers fetch the newest one or two).
 KEEP_SEALED_GROUPS = 2
+# Queued tasks that no dispatch handed out (a worker released them and no other one had a free
+# slot) are offered again after this long, to anyone including the worker that released them.
+REDISPATCH_S = 0.5
 
 
 @dataclasses.dataclass
@@ -108,6 +112,7 @@ class SchedulerCore:
         self.iterations: dict[str, dict[int, Iteration]] = collections.defaultdict(dict)
         self.conns: dict[str, dict[str, WorkerConn]] = collections.defaultdict(dict)
         self._seal_events: dict[tuple[str, int], asyncio.Event] = {}
+        self._dispatched_at: dict[str, float] = {}
         now = self.clock()
         self._elapsed_at_seal: dict[tuple[str, int], float] = {}
         for it, elapsed in self.db.load(now, wall_clock()):
@@ -296,6 +301,7 @@ class SchedulerCore:
     def _dispatch(self, run_id: str, *, skip: WorkerConn | None = None) -> None:
         """Hand queued tasks to workers with free slots, one task per worker per pass, so equal
         workers start with equal work."""
+        self._dispatched_at[run_id] = self.clock()
         conns = [c for c in self.conns.get(run_id, {}).values() if c is not skip and not c.closed and c.worker.free > 0]
         open_its = policy.oldest_open(list(self.iterations.get(run_id, {}).values()))
         if not conns or not open_its:
@@ -443,9 +449,11 @@ class SchedulerCore:
                     conn.fenced_at = None
         for run_id, its in list(self.iterations.items()):
             changed = False
+            stranded = False
             for it in its.values():
                 if it.sealed:
                     continue
+                stranded |= bool(it.queue)
                 expired = policy.expired_holders(it, now)
                 if expired:
                     with self.db.tx():
@@ -456,7 +464,7 @@ class SchedulerCore:
                         self.db.put_counters(it)
                     log.info("run %s iteration %d: %d task lease(s) expired; requeued", run_id, it.iteration, len(expired))
                 self._maybe_seal(it)
-            if changed:
+            if changed or (stranded and now - self._dispatched_at.get(run_id, -math.inf) >= REDISPATCH_S):
                 self._dispatch(run_id)
 
     def _maybe_seal(self, it: Iteration) -> None:
@@ -546,6 +554,7 @@ class SchedulerCore:
             "refused_sealed": c.refused_sealed, "backups_issued": c.backups_issued,
             "nodes": nodes, "evicted": list(it.evicted), "elapsed_s": elapsed,
             "tokens": sum(n["tokens"] for n in nodes),
+            "sealed_ago_s": now - it.sealed_at if it.sealed else 0.0,
         }
 
     def shard(self, run_id: str, iteration: int, rank: int, world_size: int, split: Split) -> list[tuple[GroupRecord, Task]]:

@@ -22,7 +22,6 @@ the scheduler already sealed are reused, not rolled out again.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -44,17 +43,18 @@ from elasticrl.rl.tasks import make_task
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
+from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
 from elasticrl.train.logcontext import NODE_NAME_ENV, WorkerLogContext, node_name
-from elasticrl.train.metric_sinks import open_sinks
+from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.model import build_engine, build_policy
 from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, iteration_tasks
 from elasticrl.train.strategy import StrategyConfig, adamw_factory, make_strategy
+from elasticrl.train.warmup import supervised_warmup
 
 log = logging.getLogger(__name__)
 
 GENERATION_KEY = b"elasticrl/worker-generation"
-METRICS_FILE = "metrics.jsonl"
 EVAL_SEED = "eval"
 
 
@@ -83,6 +83,14 @@ def weights_version(generation: int, policy_version: int) -> int:
     """The coordinator's version of a published policy: increasing across restarts of the worker
     group (a resumed group re-publishes older iterations under a newer generation)."""
     return (generation << 32) | policy_version
+
+
+def iteration_seed(seed: int, iteration: int, rank: int) -> int:
+    """The seed of torch's and Python's global RNGs on ``rank`` for ``iteration``'s update
+    (dropout, anything else that draws from them). Reseeding at every iteration makes the RNG a
+    function of (run.seed, iteration, rank), so a checkpoint needs no RNG state to resume exactly
+    where it left off: the iteration number is the data position and the RNG position at once."""
+    return (seed * 1_000_003 + iteration * 7_919 + rank) % (2**63)
 
 
 def rollout_run(run_id: str) -> str:
@@ -114,7 +122,6 @@ class NodeTrainer:
         self.engine = None
         self.strategy = None
         self.sinks: list = []
-        self._table_started = False
         self.engine_lock = threading.RLock()
         self.gate = VersionGate()
         self.generation = 0
@@ -123,8 +130,8 @@ class NodeTrainer:
         self.reference: torch.nn.Module | None = None
         self.last_checkpoint = ""
         self.device = torch.device("cpu")
-        self._presubmitted: tuple[int, threading.Thread, list[BaseException]] | None = None
-        self._publishing: tuple[threading.Thread, list[BaseException]] | None = None
+        self._presubmitted: tuple[int, BackgroundCall] | None = None
+        self._publishing: BackgroundCall | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -169,7 +176,8 @@ class NodeTrainer:
         self.device = self.strategy.device
         start = self._resume() if cfg.checkpoint.resume else 0
         if start == 0 and t.warmup_steps:
-            self._warmup()
+            supervised_warmup(self.parts, self.strategy, self.task, steps=t.warmup_steps, batch_size=t.warmup_batch_size,
+                              seed=cfg.run.seed, world=world, device=self.device)
         if cfg.algorithm.kl_coef > 0 and self.reference is None:
             # The reference is the policy RL starts from (after the warm-up), kept in every checkpoint.
             self._set_reference(self.strategy.full_model_state_dict(all_ranks=True))
@@ -185,7 +193,7 @@ class NodeTrainer:
         if world.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             write_json(cfg, os.path.join(self.run_dir, "config.json"))
-            self.sinks = open_sinks(cfg)
+            self.sinks = [ProgressTable(cfg.run.iterations), JsonLines(self.run_dir), *open_sinks(cfg)]
             n = sum(p.numel() for p in self.strategy.unwrap().parameters())
             log.info(
                 "policy %s: %d parameters; strategy %s; engine %s; task %s; run dir %s",
@@ -237,36 +245,6 @@ class NodeTrainer:
         log.info("resumed from iteration %d (checkpoint of rank %d)", newest, src)
         return newest
 
-    def _warmup(self) -> None:
-        """Supervised steps on (prompt, target) pairs: teach the answer format before RL starts."""
-        cfg, world = self.cfg, self.world
-        steps, per_rank = cfg.trainer.warmup_steps, max(1, cfg.trainer.warmup_batch_size // world.world_size)
-        t0 = time.monotonic()
-        loss_sum = 0.0
-        for step in range(steps):
-            examples = self.task.sample(random.Random(f"{cfg.run.seed}/warmup/{step}/{world.rank}"), per_rank)
-            prompts = [self.parts.encode_prompt(ex.prompt) for ex in examples]
-            answers = [self.parts.encode_answer(ex.target) for ex in examples]
-            width, length = max(map(len, prompts)), max(map(len, answers))
-            tokens = torch.full((len(examples), width + length), self.parts.pad_id, dtype=torch.long)
-            valid = torch.zeros_like(tokens, dtype=torch.bool)
-            mask = torch.zeros(len(examples), width + length - 1)
-            for r, (p, a) in enumerate(zip(prompts, answers)):
-                tokens[r, width - len(p):width + len(a)] = torch.tensor(p + a)
-                valid[r, width - len(p):width + len(a)] = True
-                mask[r, width - 1:width - 1 + len(a)] = 1.0
-            (num_tokens,) = all_reduce_sum([float(mask.sum())])
-            with self.strategy.autocast():
-                logprobs = self.parts.logprobs(self.strategy.module, tokens.to(self.device), valid.to(self.device))
-            loss = -(logprobs.float() * mask.to(self.device)).sum() / num_tokens
-            self.strategy.backward(loss * world.world_size)
-            self.strategy.step()
-            (global_loss,) = all_reduce_sum([loss.item()])
-            loss_sum += global_loss
-            if world.rank == 0 and (step + 1) % max(1, steps // 4) == 0:
-                print(f"warm-up {step + 1:>4}/{steps}  supervised loss {global_loss:.4f}", flush=True)
-        log.info("warm-up: %d supervised steps in %.1fs, mean loss %.4f", steps, time.monotonic() - t0, loss_sum / steps)
-
     # -- weights -------------------------------------------------------------------------------
 
     def _push(self, version: int) -> float:
@@ -290,33 +268,17 @@ class NodeTrainer:
             with self.engine_lock:
                 state = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.unwrap().state_dict().items()}
         waited = self._wait_published()
-        failure: list[BaseException] = []
         run, wversion = rollout_run(self.cfg.run.run_id), weights_version(self.generation, version)
-
-        def publish() -> None:
-            try:
-                self.client.publish_weights(run, wversion, pack_state_dict(state))
-            except BaseException as exc:  # noqa: BLE001 - re-raised by _wait_published
-                failure.append(exc)
-
-        thread = threading.Thread(target=publish, name=f"publish-{version}", daemon=True)
-        thread.start()
-        self._publishing = (thread, failure)
+        self._publishing = BackgroundCall(
+            lambda: self.client.publish_weights(run, wversion, pack_state_dict(state)),
+            f"publishing policy version {version} to the coordinator",
+        )
         return waited
 
     def _wait_published(self) -> float:
         """Wait for the previous weight upload; re-raise its failure. Returns the seconds waited."""
         pending, self._publishing = self._publishing, None
-        if pending is None:
-            return 0.0
-        thread, failure = pending
-        t0 = time.monotonic()
-        thread.join(timeout=self.cfg.coordinator.reconnect_timeout_s + 300)
-        if thread.is_alive():
-            raise ElasticRLError("publishing the policy weights to the coordinator did not finish in time")
-        if failure:
-            raise failure[0]
-        return time.monotonic() - t0
+        return 0.0 if pending is None else pending.wait(self.cfg.coordinator.reconnect_timeout_s + 300)
 
     def _sleep_engine(self) -> None:
         if not self.shares_module and self.cfg.engine.sleep_during_update and self.device.type == "cuda":
@@ -367,33 +329,22 @@ class NodeTrainer:
         if (self.world.rank != 0 or cfg.run.rl_phase != "both" or not cfg.rollout.presubmit or cfg.rollout.deadline_s
                 or iteration > cfg.run.iterations):
             return
-        failure: list[BaseException] = []
-
-        def submit() -> None:
-            try:
-                self._submit(iteration, iteration - 1)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by _collect_presubmitted
-                failure.append(exc)
-
-        thread = threading.Thread(target=submit, name=f"submit-{iteration}", daemon=True)
-        thread.start()
-        self._presubmitted = (iteration, thread, failure)
+        self._presubmitted = (
+            iteration, BackgroundCall(lambda: self._submit(iteration, iteration - 1), f"submitting iteration {iteration}"),
+        )
 
     def _collect_presubmitted(self, iteration: int) -> bool:
         """Whether ``iteration`` was already submitted during the previous update (re-raises its failure)."""
         pending, self._presubmitted = self._presubmitted, None
         if pending is None or pending[0] != iteration:
             return False
-        _, thread, failure = pending
-        thread.join(timeout=self.cfg.coordinator.reconnect_timeout_s + self.cfg.coordinator.call_timeout_s)
-        if failure:
-            raise failure[0]
-        return not thread.is_alive()
+        pending[1].wait(self.cfg.coordinator.reconnect_timeout_s + self.cfg.coordinator.call_timeout_s)
+        return True
 
     def _rollout(self, iteration: int) -> dict:
-        """Wait for the iteration to seal (every node's engine works on it meanwhile)."""
-        if self.rollout is not None:
-            self.rollout.check()
+        """Wait for the iteration to seal (every node's engine works on it meanwhile); fails at
+        once if this node's engine worker stopped (a broken reward, a dead engine)."""
+        check = self.rollout.check if self.rollout is not None else None
         timeout = self.cfg.rollout.seal_timeout_s
         if self.cfg.run.rl_phase == "update":
             status = self.client.iteration_status(rollout_run(self.cfg.run.run_id), iteration)
@@ -403,7 +354,7 @@ class NodeTrainer:
                     "roll it out first with run.rl_phase = rollout (against a coordinator with --state-dir, which keeps "
                     "every sealed iteration)"
                 )
-        return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout)
+        return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check)
 
     def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None, world_size: int | None = None) -> RolloutBatch:
         groups = self.client.fetch_shard(
@@ -428,15 +379,18 @@ class NodeTrainer:
         if empty:
             batch = self._dummy_batch()
         advantages = compute_advantages(a.advantage, batch.rewards, 1 if empty else cfg.task.group_size)
+        # The engines report logprobs of the distribution they sampled from, log_softmax(logits / T):
+        # the ratio and the KL compare like with like only at the same temperature.
+        temperature = cfg.rollout.temperature
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid).float()
+                ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid, temperature=temperature).float()
         sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
         world = self.world.world_size
         for _ in range(cfg.trainer.updates_per_iteration):
             with self.strategy.autocast():
-                logprobs = self.parts.logprobs(self.strategy.module, batch.tokens, batch.valid)
+                logprobs = self.parts.logprobs(self.strategy.module, batch.tokens, batch.valid, temperature=temperature)
             loss, stats = policy_loss(
                 logprobs.float(), batch.old_logprobs, advantages, batch.completion_mask,
                 num_tokens=max(num_tokens, 1.0), kind=a.loss, clip_eps=a.clip_eps,
@@ -464,6 +418,9 @@ class NodeTrainer:
         phase = cfg.run.rl_phase
         t: dict[str, float] = {}
         start = mark = time.monotonic()
+        s = iteration_seed(cfg.run.seed, iteration, self.world.rank)
+        torch.manual_seed(s)  # every device's generator
+        random.seed(s)
 
         def lap(name: str) -> None:
             nonlocal mark
@@ -477,14 +434,18 @@ class NodeTrainer:
         lap("t_submit")
         manifest = self._rollout(iteration)
         lap("t_rollout")
+        # The seal's share of that wait: from the coordinator's seal decision to its reply (a rank
+        # that arrives after the seal waited only for its own call, hence the min).
+        t["t_seal"] = min(manifest["sealed_ago_s"], t["t_rollout"])
         self._barrier(iteration, "update")
         lap("t_barrier")
         batch = self._fetch(iteration)
-        lap("t_fetch")
-        self._presubmit(iteration + 1)
+        # Waits for every rank's fetch, so it is part of the fetch phase.
         tokens, reward_sum, exact, samples = all_reduce_sum(
             [float(batch.completion_mask.sum()), float(batch.rewards.sum()), float((batch.rewards == 1).sum()), len(batch.rewards)]
         )
+        lap("t_fetch")
+        self._presubmit(iteration + 1)
         if samples == 0:
             raise RuntimeError(f"iteration {iteration} sealed with no groups ({manifest['seal_reason']})")
         metrics: dict = {}
@@ -538,6 +499,11 @@ class NodeTrainer:
         meta = {
             "world_size": world.world_size,
             "generation": self.generation,
+            # Where the data and the RNGs stand: prompts are drawn from random.Random(f"{seed}/{i}")
+            # for iteration i, and the global RNGs are reseeded with iteration_seed() every
+            # iteration, so the next iteration number says it all.
+            "data_position": {"next_iteration": iteration + 1, "prompt_rng": f"{cfg.run.seed}/{iteration + 1}",
+                              "rng": "iteration_seed(run.seed, iteration, rank), reseeded every iteration"},
             "reward_mean": metrics["reward_mean"],
             "config": {"model": to_dict(cfg)["model"], "task": to_dict(cfg)["task"]},
             "strategy": cfg.trainer.strategy,
@@ -564,29 +530,9 @@ class NodeTrainer:
         print(f"exported the policy as an HF model directory: {out}", flush=True)
 
     def _report(self, metrics: dict) -> None:
-        """Rank 0: one row of the progress table on stdout, one JSON line in metrics.jsonl, and the
-        optional TensorBoard / W&B sinks."""
-        if self.world.rank != 0:
-            return
-        n, i = self.cfg.run.iterations, metrics["iteration"]
-        if not self._table_started:
-            self._table_started = True
-            print(f"{'progress':<22} {'iter':>7}  {'reward':>6}  {'exact':>5}  {'loss':>8}  {'world':>5}  "
-                  f"{'time':>6}  {'rollout':>7}  {'update':>6}  {'coord':>6}  example", flush=True)
-        filled = round(20 * i / n)
-        coord = metrics["t_barrier"] + metrics["t_submit"] + metrics["t_fetch"]
-        evaluation = f"  eval {metrics['eval_reward']:.3f}" if "eval_reward" in metrics else ""
-        print(
-            f"[{'#' * filled}{'-' * (20 - filled)}] {i:>3}/{n:<3}  {metrics['reward_mean']:>6.3f}  "
-            f"{metrics['exact_fraction']:>5.2f}  {metrics['loss']:>+8.4f}  {metrics['world_size']:>5}  "
-            f"{metrics['seconds']:>5.2f}s  {metrics['t_rollout']:>6.2f}s  {metrics.get('t_update', 0.0):>5.2f}s  "
-            f"{coord:>5.3f}s  {metrics['example']}{evaluation}",
-            flush=True,
-        )
-        with open(os.path.join(self.run_dir, METRICS_FILE), "a") as f:
-            f.write(json.dumps({**metrics, "time_unix_s": time.time()}) + "\n")
+        """Rank 0: the progress table, metrics.jsonl and the optional TensorBoard / W&B sinks."""
         for sink in self.sinks:
-            sink.log(metrics, step=i)
+            sink.log(metrics, step=metrics["iteration"])
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -597,15 +543,23 @@ class NodeTrainer:
                 log.info("nothing to do: checkpoint %d already covers run.iterations=%d", first - 1, self.cfg.run.iterations)
             every = self.cfg.checkpoint.every_iterations
             updating = self.cfg.run.rl_phase != "rollout"
+            saving_s = 0.0
             for iteration in range(first, self.cfg.run.iterations + 1):
                 self.logctx.iteration = iteration
                 metrics = self._iteration(iteration)
-                if updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0)):
+                saving = updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0))
+                if saving:
+                    metrics["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
+                metrics["t_checkpoint"] = saving_s  # the save after the previous iteration
+                # Reported before the save: a resumed world starts after the newest checkpoint, so
+                # every iteration a checkpoint covers must already be on record (a kill between the
+                # two only repeats the iteration, and its line).
+                self._report(metrics)
+                saving_s = 0.0
+                if saving:
                     t0 = time.monotonic()
                     self._save(iteration, metrics)
-                    metrics["checkpoint"] = self.last_checkpoint
-                    metrics["t_checkpoint"] = time.monotonic() - t0
-                self._report(metrics)
+                    saving_s = time.monotonic() - t0
             if self.cfg.checkpoint.export_hf and updating:
                 self._export()
             if self.world.rank == 0 and self.last_checkpoint:

@@ -1,14 +1,16 @@
-"""Optional metric sinks beside metrics.jsonl: TensorBoard (``logging.tensorboard``) and Weights &
-Biases (``logging.wandb_project``). Rank 0 logs every numeric metric of an iteration as a scalar at
-``step = iteration``; both backends are imported only when asked for, and a missing package is a
-config error that says what to install.
+"""Where rank 0's per-iteration metrics go: the console's progress table and ``metrics.jsonl``
+(always), TensorBoard (``logging.tensorboard``) and Weights & Biases (``logging.wandb_project``).
+The optional backends log every numeric metric as a scalar at ``step = iteration``; they are
+imported only when asked for, and a missing package is a config error that says what to install.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import numbers
 import os
+import time
 from typing import Any, Protocol
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict
@@ -28,6 +30,53 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
         k: float(v) for k, v in metrics.items()
         if isinstance(v, numbers.Real) and not isinstance(v, bool)
     }
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class ProgressTable:
+    """One row per iteration on stdout, under a header printed once: a bar, reward, exact-match
+    fraction, loss, world size, and where the time went (rollout, update, coordination)."""
+
+    def __init__(self, iterations: int):
+        self.iterations = iterations
+        self._header_shown = False
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        n = self.iterations
+        if not self._header_shown:
+            self._header_shown = True
+            print(f"{'progress':<22} {'iter':>7}  {'reward':>6}  {'exact':>5}  {'loss':>8}  {'world':>5}  "
+                  f"{'time':>6}  {'rollout':>7}  {'update':>6}  {'coord':>6}  example", flush=True)
+        filled = round(20 * step / n)
+        coord = sum(metrics.get(k, 0.0) for k in ("t_barrier", "t_submit", "t_seal", "t_fetch", "t_eval"))
+        evaluation = f"  eval {metrics['eval_reward']:.3f}" if "eval_reward" in metrics else ""
+        print(
+            f"[{'#' * filled}{'-' * (20 - filled)}] {step:>3}/{n:<3}  {metrics['reward_mean']:>6.3f}  "
+            f"{metrics['exact_fraction']:>5.2f}  {metrics['loss']:>+8.4f}  {metrics['world_size']:>5}  "
+            f"{metrics['seconds']:>5.2f}s  {metrics['t_rollout']:>6.2f}s  {metrics.get('t_update', 0.0):>5.2f}s  "
+            f"{coord:>5.3f}s  {metrics['example']}{evaluation}",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class JsonLines:
+    """``<run dir>/metrics.jsonl``: every metric of every iteration, one JSON object a line (an
+    iteration redone after a restart appears again; the last line of an iteration counts)."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, METRICS_FILE)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({**metrics, "time_unix_s": time.time()}) + "\n")
+
+    def close(self) -> None:
+        pass
 
 
 class TensorBoardSink:
@@ -73,6 +122,7 @@ class WandbSink:
 
 
 def open_sinks(cfg: NodeConfig) -> list[MetricSink]:
+    """The optional sinks the config asks for (TensorBoard, W&B)."""
     sinks: list[MetricSink] = []
     if cfg.logging.tensorboard:
         sinks.append(TensorBoardSink(os.path.join(cfg.run.run_dir, "tensorboard")))

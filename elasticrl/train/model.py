@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from elasticrl.config import NodeConfig
+from elasticrl.config import ConfigError, NodeConfig
 
 
 @dataclasses.dataclass
@@ -33,8 +33,9 @@ class PolicyParts:
     """Completion ids -> text, special tokens dropped."""
     pad_id: int
     eos_ids: tuple[int, ...]
-    logprobs: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-    """fn(module, tokens [B, T], valid [B, T]) -> [B, T-1] log-probability of token t + 1."""
+    logprobs: Callable[..., torch.Tensor]
+    """fn(module, tokens [B, T], valid [B, T], *, temperature=1.0) -> [B, T-1] log-probability of
+    token t + 1 under ``log_softmax(logits / temperature)``."""
     vocab: object | None = None
     """The tiny model's CharVocab (its engine needs it); None for HF models."""
 
@@ -51,7 +52,12 @@ def build_policy(cfg: NodeConfig) -> PolicyParts:
         logprobs = token_logprobs
     else:
         from elasticrl.policy.hf_policy import HFCodec, hf_token_logprobs, load_hf_model
+        from elasticrl.rollout.hf_dir import check_model_dir
 
+        try:
+            check_model_dir(cfg.model.path)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"model.path: {exc}") from None
         codec = HFCodec.from_dir(cfg.model.path)
         model = load_hf_model(cfg.model.path, dtype=cfg.model.dtype, device="cpu")
         logprobs = hf_token_logprobs

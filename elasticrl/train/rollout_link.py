@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from elasticrl.errors import ElasticRLError
+from elasticrl.rl.rewards import RewardError
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.tasks import Example
 from elasticrl.rollout.engine import GroupRequest, RolloutEngine, SamplingSpec
@@ -39,6 +40,15 @@ RewardFn = Callable[[str, str, str], float]
 
 class PolicyVersionTimeout(ElasticRLError, TimeoutError):
     """The engine did not get the policy version a task asks for in time."""
+
+
+class GateClosed(ElasticRLError):
+    """The worker is stopping: no task waits for a policy version any more."""
+
+
+MAX_ENGINE_FAILURES = 3
+"""Consecutive failed batches after which a node's engine worker gives up (a transient failure
+is retried: the tasks go back to the queue; a persistent one must stop the node, not stall it)."""
 
 
 def task_seed(seed: int, iteration: int, index: int) -> int:
@@ -81,6 +91,7 @@ class VersionGate:
 
     def __init__(self, version: int = 0):
         self._version = version
+        self._closed = False
         self._cond = threading.Condition()
 
     @property
@@ -92,12 +103,21 @@ class VersionGate:
             self._version = max(self._version, version)
             self._cond.notify_all()
 
+    def close(self) -> None:
+        """Wake every waiter with ``GateClosed`` (the worker is stopping: its engine threads must
+        not outlive it, or the interpreter waits for them at exit)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def wait(self, policy_version: int, weights_version: int, timeout_s: float) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._version >= policy_version, timeout=timeout_s):
+            if not self._cond.wait_for(lambda: self._closed or self._version >= policy_version, timeout=timeout_s):
                 raise PolicyVersionTimeout(
                     f"a task needs policy version {policy_version}; this node still has {self._version} after {timeout_s:.0f}s"
                 )
+            if self._closed:
+                raise GateClosed("the engine worker is stopping")
 
 
 class EngineWorker:
@@ -105,7 +125,13 @@ class EngineWorker:
 
     ``engine_lock`` serializes the engine between this thread (generate) and the trainer (sleep,
     update_weights, and, when the engine shares the trainer's module, the optimizer step).
-    ``gate.wait(policy_version, weights_version, timeout_s)`` runs before each batch.
+    ``gate.wait(policy_version, weights_version, timeout_s)`` runs before each batch; ``stop``
+    closes the gate (``gate.close()``, where it has one).
+
+    Failures: a batch the engine fails on goes back to the queue (another engine, or this one a
+    moment later, retries it), but ``MAX_ENGINE_FAILURES`` failed batches in a row, or any error
+    of the reward function (user code: it fails the same way everywhere), stop the worker, and
+    ``check()`` raises it, so the node fails fast instead of waiting for a seal that cannot come.
     """
 
     def __init__(
@@ -123,6 +149,7 @@ class EngineWorker:
         self.version_timeout_s = version_timeout_s
         self.error: BaseException | None = None
         self.groups_done = 0
+        self._failures = 0  # consecutive failed batches
         self.worker = RolloutWorker(
             address, run_id, member_id, None, generate_batch=self._generate_batch, slots=slots, weight=weight,
             token=token, tls_ca=tls_ca, call_timeout_s=call_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
@@ -162,7 +189,39 @@ class EngineWorker:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout=timeout_s)
 
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the worker for good with ``exc`` (``check()`` raises it in the trainer)."""
+        if self.error is None:
+            self.error = exc
+        log.error("rollout worker gives up: %s", exc)
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
     def _generate_batch(self, assignments: list[Assignment]) -> list[GroupRecord]:
+        try:
+            out = self._draw_and_score(assignments)
+        except (GateClosed, PolicyVersionTimeout):
+            raise  # stopping, or this engine lags behind: the tasks go back for others
+        except RewardError as exc:
+            self._fail(exc)
+            raise
+        except Exception as exc:
+            self._failures += 1
+            if self._failures >= MAX_ENGINE_FAILURES:
+                self._fail(ElasticRLError(f"the rollout engine failed {self._failures} batches in a row; last: {type(exc).__name__}: {exc}"))
+            raise
+        self._failures = 0
+        return out
+
+    def _reward(self, task_id: str, meta: dict, text: str) -> float:
+        try:
+            return float(self.reward(meta["prompt"], text, meta.get("target", "")))
+        except RewardError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"the reward function failed on task {task_id!r}: {type(exc).__name__}: {exc}") from exc
+
+    def _draw_and_score(self, assignments: list[Assignment]) -> list[GroupRecord]:
         """Draw every task of one assignment message in one engine call, then score the samples."""
         metas = [json.loads(a.task.metadata_json) for a in assignments]
         self.gate.wait(
@@ -187,7 +246,7 @@ class EngineWorker:
             samples = []
             for sample in group.samples:
                 text = sample.text if sample.text is not None else self.decode(sample.completion_ids)
-                reward = self.reward(meta["prompt"], text, meta.get("target", ""))
+                reward = self._reward(a.task.task_id, meta, text)
                 samples.append(SampleRecord.pack(
                     sample.completion_ids, sample.logprobs, reward, finish_reason=sample.finish_reason, text=text,
                 ))
@@ -196,6 +255,9 @@ class EngineWorker:
         return out
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        close = getattr(self.gate, "close", None)
+        if close is not None:
+            close()
         if self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=timeout_s)
@@ -210,29 +272,32 @@ def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.dev
         empty = torch.zeros(0, 2, dtype=torch.long, device=device)
         return RolloutBatch(empty, empty.bool(), torch.zeros(0, 1, device=device), torch.zeros(0, 1, device=device),
                             torch.zeros(0, device=device), [], [])
-    width = max(len(g.prompt_ids) for g, _ in rows)
-    length = max(max(s.num_tokens for _, s in rows), 1)
-    # Filled in numpy from the packed little-endian bytes: one memcpy per sample, no Python lists.
-    tokens = np.full((len(rows), width + length), pad_id, dtype=np.int64)
+    width = max(len(g.prompt_ids) for g in groups)
+    counts = np.fromiter((len(s.completion_ids) // 4 for _, s in rows), dtype=np.int64, count=len(rows))  # [R]
+    length = max(int(counts.max()), 1)
+    tokens = np.full((len(rows), width + length), pad_id, dtype=np.int64)  # [R, W + L]
     valid = np.zeros((len(rows), width + length), dtype=bool)
-    mask = np.zeros((len(rows), width + length - 1), dtype=np.float32)
+    mask = np.zeros((len(rows), width + length - 1), dtype=np.float32)  # column t scores token t + 1
     old = np.zeros((len(rows), width + length - 1), dtype=np.float32)
-    examples, completions, metas = [], [], {}
-    for r, (g, s) in enumerate(rows):
-        p = g.prompt_ids
-        tokens[r, width - len(p):width] = p
-        valid[r, width - len(p):width] = True
-        n = s.num_tokens
-        if n:
-            tokens[r, width:width + n] = np.frombuffer(s.completion_ids, dtype="<i4")
-            valid[r, width:width + n] = True
-            mask[r, width - 1:width - 1 + n] = 1.0
-            old[r, width - 1:width - 1 + n] = np.frombuffer(s.logprobs, dtype="<f4")
-        if g.task_id not in metas:
-            meta = json.loads(g.metadata_json)
-            metas[g.task_id] = Example(prompt=meta["prompt"], target=meta.get("target", ""))
-        examples.append(metas[g.task_id])
-        completions.append(s.text)
+    # Prompts: one slice per group (its samples are contiguous rows).
+    examples, r = [], 0
+    for g in groups:
+        p, k = g.prompt_ids, len(g.samples)
+        tokens[r:r + k, width - len(p):width] = p
+        valid[r:r + k, width - len(p):width] = True
+        meta = json.loads(g.metadata_json)
+        examples += [Example(prompt=meta["prompt"], target=meta.get("target", ""))] * k
+        r += k
+    # Completions: every sample's packed little-endian bytes joined, then scattered in one step.
+    ids = np.frombuffer(b"".join(s.completion_ids for _, s in rows), dtype="<i4")
+    lps = np.frombuffer(b"".join(s.logprobs for _, s in rows), dtype="<f4")
+    row = np.repeat(np.arange(len(rows)), counts)
+    col = width + np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+    tokens[row, col] = ids
+    valid[row, col] = True
+    mask[row, col - 1] = 1.0
+    old[row, col - 1] = lps
+    completions = [s.text for _, s in rows]
     rewards = torch.tensor([s.reward for _, s in rows])
     return RolloutBatch(
         torch.from_numpy(tokens).to(device), torch.from_numpy(valid).to(device), torch.from_numpy(mask).to(device),

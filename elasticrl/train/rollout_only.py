@@ -29,36 +29,53 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import unpack_state_dict
 from elasticrl.train.loop import rollout_run
 from elasticrl.train.model import build_engine, build_policy
-from elasticrl.train.rollout_link import EngineWorker, PolicyVersionTimeout
+from elasticrl.train.rollout_link import EngineWorker, GateClosed, PolicyVersionTimeout
 
 log = logging.getLogger(__name__)
 
-FETCH_CHUNK_S = 30.0
+FETCH_CHUNK_S = 2.0  # one server-side wait; the stop flag is checked between them
 CLOSED_CHECK_S = 2.0
+POLICY_MASK = 0xFFFFFFFF  # the policy version: the low 32 bits of a weights version
 
 
 class CoordinatorWeights:
-    """The gate of a rollout-only worker: fetch published weights until the engine holds the
-    version a task names. Versions are the trainer's ``weights_version`` (generation << 32 |
-    policy version)."""
+    """The gate of a rollout-only worker: fetch published weights until the engine holds what a
+    task names. Versions are the trainer's ``weights_version`` (generation << 32 | policy
+    version). A task needs both at least its weights version and at least its policy version: a
+    worker group that re-formed publishes again from the checkpoint it resumed, under a newer
+    generation but an older policy, which must not pass for the policy an earlier generation's
+    task asked for."""
 
-    def __init__(self, client: SchedulerClient, run_id: str, engine, lock: threading.RLock):
+    def __init__(self, client: SchedulerClient, run_id: str, engine, lock: threading.RLock, stop: threading.Event | None = None):
         self.client = client
         self.run_id = run_id
         self.engine = engine
         self.lock = lock
+        self.stop = stop or threading.Event()
         self.weights_version = -1
         self.fetches = 0
 
-    def refresh(self, want: int, timeout_s: float) -> None:
-        """Load published weights until their version is at least ``want`` (-1: any)."""
+    def close(self) -> None:
+        """Wake every waiter with ``GateClosed`` (the worker is stopping)."""
+        self.stop.set()
+
+    def holds(self, weights_version: int, policy_version: int = 0) -> bool:
+        have = self.weights_version
+        return have >= 0 and have >= weights_version and (have & POLICY_MASK) >= policy_version
+
+    def refresh(self, want: int, timeout_s: float, policy_version: int = 0) -> None:
+        """Load published weights until they are of version ``want`` or newer (-1: any) and of
+        policy version ``policy_version`` or newer. ``GateClosed`` once ``stop`` is set."""
         give_up = time.monotonic() + timeout_s
-        while self.weights_version < max(want, 0) or self.weights_version < 0:
+        while not self.holds(want, policy_version):
+            if self.stop.is_set():
+                raise GateClosed("the rollout worker is stopping")
             left = give_up - time.monotonic()
             if left <= 0:
                 raise PolicyVersionTimeout(
-                    f"run {self.run_id!r}: no published weights of version >= {want:#x} after {timeout_s:.0f}s "
-                    f"(this worker has {self.weights_version:#x}); is the trainer running with rollout.publish_weights = true?"
+                    f"run {self.run_id!r}: no published weights of version >= {max(want, 0):#x} with policy version >= "
+                    f"{policy_version} after {timeout_s:.0f}s (this worker has {self.weights_version:#x}); is the trainer "
+                    "running with rollout.publish_weights = true?"
                 )
             got = self.client.fetch_weights(self.run_id, have_version=self.weights_version, wait_s=min(left, FETCH_CHUNK_S))
             if got is None:
@@ -66,14 +83,14 @@ class CoordinatorWeights:
             version, blob = got
             state = unpack_state_dict(blob)
             with self.lock:
-                self.engine.update_weights(state.items(), version=version & 0xFFFFFFFF)
+                self.engine.update_weights(state.items(), version=version & POLICY_MASK)
             self.weights_version = version
             self.fetches += 1
             log.info("loaded published weights: generation %d, policy version %d (%.1f MB)",
-                     version >> 32, version & 0xFFFFFFFF, len(blob) / 1e6)
+                     version >> 32, version & POLICY_MASK, len(blob) / 1e6)
 
     def wait(self, policy_version: int, weights_version: int, timeout_s: float) -> None:
-        self.refresh(weights_version, timeout_s)
+        self.refresh(weights_version, timeout_s, policy_version)
 
 
 def default_member_id() -> str:
@@ -96,9 +113,14 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
         signal.signal(signum, lambda *_: stop.set())
     with SchedulerClient(c.address, token=token, tls_ca=c.tls_ca or None, call_timeout_s=c.call_timeout_s,
                          reconnect_timeout_s=c.reconnect_timeout_s) as client:
-        gate = CoordinatorWeights(client, run_id, engine, lock)
+        gate = CoordinatorWeights(client, run_id, engine, lock, stop)
         print(f"elasticrl rollout: waiting for the trainer's weights in run {run_id} at {c.address} ...", flush=True)
-        gate.refresh(-1, cfg.rollout.weights_wait_s)
+        try:
+            gate.refresh(-1, cfg.rollout.weights_wait_s)
+        except GateClosed:
+            print(f"elasticrl rollout: {member_id} stopped before any weights arrived", flush=True)
+            engine.close()
+            return 0
         task = make_task(cfg.task.name, cfg.task.num_digits)
         worker = EngineWorker(
             engine, decode=parts.decode, reward=reward_function(cfg.algorithm.rewards, cfg.algorithm.reward_weights, task),

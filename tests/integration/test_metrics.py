@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from elasticrl.errors import AuthError
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import TaskSpec
 from tests.conftest import REPO, wait_until
+from tests.integration.prometheus import Samples, parse_exposition, value
 
 pytestmark = pytest.mark.integration
 MEMBER = pathlib.Path(__file__).with_name("member_proc.py")
@@ -32,10 +32,6 @@ WORKER = REPO / "bench" / "fake_rollout_worker.py"
 TOKENS = 8
 SAMPLES = 2
 HTTP_TIMEOUT_S = 5
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
-
 
 def with_metrics(coordinator_factory, tmp_path: pathlib.Path, *extra: str, **kwargs):
     """A coordinator serving metrics on a free port; returns (process, metrics port)."""
@@ -55,32 +51,10 @@ def get(port: int, path: str = "/metrics", method: str = "GET") -> tuple[int, di
         return exc.code, dict(exc.headers), exc.read().decode()
 
 
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    """Parse the exposition strictly enough to catch format slips: every sample belongs to a
-    family announced by HELP and TYPE lines, and every line parses."""
+def scrape(port: int) -> Samples:
     status, headers, text = get(port)
     assert status == 200 and headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8", (status, headers)
-    typed: dict[str, str] = {}
-    samples: dict[tuple[str, frozenset], float] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            typed[name] = kind
-            continue
-        if line.startswith("# HELP "):
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"unparseable line: {line!r}"
-        name, labels, value = m.groups()
-        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in typed else name
-        assert family in typed, f"{name} has no # TYPE line before it"
-        pairs = frozenset((k, v) for k, v, _ in _LABEL.findall(labels or ""))
-        samples[(name, pairs)] = float(value)
-    return samples
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    return parse_exposition(text)
 
 
 class Proc:
@@ -155,11 +129,15 @@ def test_counters_move_with_joins_barrier_eviction_and_a_sealed_iteration(coordi
     run, n = "rollout", 6
     for w in ("w0", "w1"):
         procs(w, str(WORKER), "--coordinator", coord.address, "--run", run, "--member", w,
-              "--task-s", "0.05", "--tokens", str(TOKENS))
+              "--task-s", "0.5", "--tokens", str(TOKENS))
     wait_until(lambda: value(scrape(port), "elasticrl_scheduler_workers", run=run) == 2, 30, message="two workers connected")
     with SchedulerClient(coord.address, call_timeout_s=5) as client:
         client.submit_iteration(run, 1, [TaskSpec(task_id=f"t{i}", prompt_ids=[1, i], num_samples=SAMPLES) for i in range(n)])
+        # One slot per worker and 0.5 s per task: for about 1.5 s tasks wait and run.
+        during = scrape(port)
         manifest = client.wait_sealed(run, 1, timeout_s=60)
+    tasks = {s: value(during, "elasticrl_scheduler_tasks", run=run, state=s) for s in ("queued", "running", "done")}
+    assert tasks["queued"] + tasks["running"] > 0 and sum(tasks.values()) == n, tasks
     assert manifest["tasks_done"] == n, manifest
 
     after = scrape(port)

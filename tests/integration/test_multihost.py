@@ -1,18 +1,28 @@
-"""Two nodes and a coordinator on three "hosts" (network namespaces), launched as the docs say.
+"""Two nodes and a coordinator on three "hosts" (network namespaces), launched with the docs' own commands.
 
-The coordinator runs in one namespace bound to ``0.0.0.0``; each node runs the documented stock
-``torchrun --rdzv-backend=elasticrl --local-addr=<its address> -m elasticrl.node`` in a namespace
-of its own, and the three reach each other only over a bridge (``tests/integration/netns.py``):
-every gRPC call, the workers' TCPStore and gloo's collectives cross a real network between
-distinct addresses, which localhost runs never test. Nothing is shared between the nodes but the
-filesystem, and the run does not use it: each node has its own run and checkpoint directory
-(``[checkpoint] every_node``).
+The test runs the shell blocks of deploy/README.md's "Launching by hand" as they are written: the
+coordinator block (a fresh token, ``--host 0.0.0.0``, ``--token-file``) in one namespace, and the
+node block (``ELASTICRL_TOKEN`` / ``ELASTICRL_COORDINATOR`` / ``ELASTICRL_NODE_NAME`` and stock
+``torchrun --rdzv-backend=elasticrl --local-addr=... -m elasticrl.node --config
+elasticrl/configs/demo.toml``) in a namespace per node, changing only the addresses, the node
+name, ``exec`` in front of the long-running command, and a few appended flags (a port file and the
+documented ``--metrics-port`` for the coordinator; fewer iterations for the nodes). If the README
+changes so that a block no longer has what the test edits, the test fails and says which.
+
+The three reach each other only over a bridge (``tests/integration/netns.py``): every gRPC call,
+the workers' TCPStore and gloo's collectives cross a real network between distinct addresses,
+which localhost runs never test. Nothing is shared between the nodes but the filesystem, and the
+run does not use it: each node runs in a directory of its own with its own copy of the token, run
+directory and checkpoints (``--checkpoint.every_node=true``).
 
 The test checks that both nodes reached the coordinator from their own addresses (the
-coordinator's TCP connections, and the ``local_addr`` each agent registered), then SIGKILLs every
-process of node 2 a few iterations in; node 1 must re-form alone, resume from its own checkpoint
-and finish every iteration, leaving a final checkpoint that loads. Skips where the machine cannot
-make network namespaces (not root, no iproute2, a container without the privilege).
+coordinator's TCP connections, and the ``local_addr`` each agent registered), scrapes the
+coordinator's Prometheus endpoint with ``curl`` from a node's host, then SIGKILLs every process of
+node 2 a few iterations in; node 1 must re-form alone, resume from its own checkpoint and finish
+every iteration, leaving a final checkpoint that loads, and a second scrape must show the
+eviction, and more barriers, sealed iterations and trajectory bytes than the first. Skips where
+the machine cannot make network namespaces (not root, no iproute2, a container without the
+privilege).
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import contextlib
 import json
 import os
 import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,31 +42,61 @@ import pytest
 
 from tests.conftest import REPO
 from tests.integration.netns import NetnsUnavailable, VirtualLan, established_peers
+from tests.integration.prometheus import Samples, parse_exposition, value
 
 pytestmark = [pytest.mark.integration]
 
-COORDINATOR_PORT = 50051  # the documented default; the namespace is ours alone, so it is free
-LEASE_TTL_S = 2
+COORDINATOR_PORT = 50051  # the documented port; the namespace is ours alone, so it is free
+METRICS_PORT = 9464  # the documented --metrics-port
+RUN_ID = "my-run"  # the documented --rdzv-id: the coordinator is this test's own
 ITERATIONS = 12
 CHECKPOINT_EVERY = 3
 KILL_AFTER = 3
 """Node 2 dies once an iteration >= this one is reported in a world of two (a checkpoint exists)."""
-START_TIMEOUT_S = 90  # both nodes import torch and meet on 2 busy cores
-FINISH_TIMEOUT_S = 90
+START_TIMEOUT_S = 120  # both nodes import torch, warm up and meet on 2 busy cores
+FINISH_TIMEOUT_S = 120  # the 5 s lease of the docs, a re-formed world, the remaining iterations
 STATUS_TIMEOUT_S = 20
 COORDINATOR_START_S = 20
+DEPLOY_README = REPO / "deploy" / "README.md"
 
-# Every setting the nodes get, with the config's current section names; ``{...}`` is filled per
-# node. The demo's defaults otherwise (a tiny policy learning to reverse digits, gloo on CPU).
-NODE_OVERRIDES = [
-    "--coordinator.address={coordinator}",
-    "--run.run_id={run_id}",
-    "--run.run_dir={run_dir}",
-    f"--run.iterations={ITERATIONS}",
-    "--task.name=reverse",
-    f"--checkpoint.every_iterations={CHECKPOINT_EVERY}",
-    "--checkpoint.every_node=true",  # no shared filesystem: each node keeps its own copy
-]
+
+def readme_block(heading: str) -> str:
+    """The first ``sh`` block after the line of deploy/README.md that contains ``heading``."""
+    text = DEPLOY_README.read_text()
+    at = text.find(heading)
+    assert at >= 0, f"deploy/README.md no longer has {heading!r}; update this test with the docs"
+    m = re.compile(r"^```sh\n(.*?)^```", re.S | re.M).search(text, at)
+    assert m, f"deploy/README.md: no ```sh block after {heading!r}"
+    return m.group(1)
+
+
+def edit(block: str, replacements: dict[str, str]) -> str:
+    """``block`` with each key replaced by its value; every key must occur exactly once."""
+    for old, new in replacements.items():
+        assert block.count(old) == 1, f"deploy/README.md changed: expected {old!r} once in this block:\n{block}"
+        block = block.replace(old, new)
+    return block
+
+
+def coordinator_script() -> str:
+    """The documented coordinator block, plus a port file (to know it listens) and metrics."""
+    return edit(readme_block("**Host A, the coordinator.**"), {
+        "elasticrl coordinator ": "exec elasticrl coordinator ",
+        "--lease-ttl 5": f"--lease-ttl 5 --port-file coordinator.port --metrics-port {METRICS_PORT}",
+    })
+
+
+def node_script(coordinator_addr: str, node_addr: str, node_name: str) -> str:
+    """The documented node block for one host, running fewer iterations."""
+    return edit(readme_block("**Each node host**"), {
+        "COORD_ADDR=10.0.0.1": f"COORD_ADDR={coordinator_addr}",
+        "NODE_ADDR=10.0.0.2": f"NODE_ADDR={node_addr}",
+        "ELASTICRL_NODE_NAME=node-1": f"ELASTICRL_NODE_NAME={node_name}",
+        "torchrun ": "exec torchrun ",
+        "--checkpoint.every_node=true": (
+            f"--checkpoint.every_node=true --run.iterations={ITERATIONS} --checkpoint.every_iterations={CHECKPOINT_EVERY}"
+        ),
+    })
 
 
 @pytest.fixture
@@ -71,17 +113,27 @@ def lan():
         net.down()
 
 
-def child_env(node_name: str | None = None) -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """This machine's environment minus what the documented blocks set themselves, with the
+    virtualenv's scripts (``elasticrl``, ``torchrun``) first on PATH, as ``. .venv/bin/activate`` does."""
     # A proxy of the machine's own network is unreachable from the namespaces (and gRPC honours it).
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONWARNINGS"] = "ignore:Failed to initialize NumPy"
-    if node_name is not None:
-        env["ELASTICRL_NODE_NAME"] = node_name  # every namespace shares this machine's hostname
+    for key in ("ELASTICRL_TOKEN", "ELASTICRL_COORDINATOR", "ELASTICRL_NODE_NAME", "GLOO_SOCKET_IFNAME"):
         # No GLOO_SOCKET_IFNAME: the hostname resolves to a loopback address here, so this also
-        # checks that the node picks the interface that routes to MASTER_ADDR by itself.
-        env.pop("GLOO_SOCKET_IFNAME", None)
+        # checks that a node picks the interface that routes to MASTER_ADDR by itself.
+        env.pop(key, None)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PATH=f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}")
+    env["PYTHONWARNINGS"] = "ignore:Failed to initialize NumPy"
     return env
+
+
+def host_dir(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
+    """A host's working directory: what a checkout of the repository offers the documented
+    commands (``elasticrl/configs/demo.toml``), and nothing the other hosts write."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "elasticrl").symlink_to(REPO / "elasticrl", target_is_directory=True)
+    return d
 
 
 class StartedProcesses:
@@ -94,8 +146,8 @@ class StartedProcesses:
     def log_path(self, name: str):
         return self.tmp / f"{name}.log"
 
-    def start(self, name: str, host, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        self.procs[name] = host.start(argv, self.log_path(name), env=env, cwd=REPO)
+    def start(self, name: str, host, argv: list[str], env: dict[str, str], cwd) -> subprocess.Popen:
+        self.procs[name] = host.start(argv, self.log_path(name), env=env, cwd=cwd)
         return self.procs[name]
 
     def kill_groups(self) -> None:
@@ -115,18 +167,6 @@ class StartedProcesses:
                 text = ["(no log)"]
             out.append(f"----- {name} (pid {proc.pid}, exit {proc.poll()}) -----\n" + "\n".join(text[-lines:]))
         return "\n".join(out)
-
-
-def node_command(coordinator: str, run_id: str, local_addr: str, run_dir) -> list[str]:
-    """The documented launch (deploy/README.md), one worker per node."""
-    fields = {"coordinator": coordinator, "run_id": run_id, "run_dir": run_dir}
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
-        "--rdzv-backend=elasticrl", f"--rdzv-endpoint={coordinator}", f"--rdzv-id={run_id}",
-        f"--local-addr={local_addr}",
-        "-m", "elasticrl.node", *(arg.format(**fields) for arg in NODE_OVERRIDES),
-    ]
 
 
 def metrics(run_dir) -> list[dict]:
@@ -164,41 +204,52 @@ def environment_values(pids: list[int], key: str) -> set[str]:
     return values
 
 
-def coordinator_status(lan: VirtualLan, run_id: str) -> dict:
+def coordinator_status(lan: VirtualLan, token: str) -> dict:
     """``elasticrl status --all --json`` asked from the coordinator's host."""
     argv = [
         sys.executable, "-m", "elasticrl.cli", "status", "--coordinator", f"127.0.0.1:{COORDINATOR_PORT}",
-        "--run", run_id, "--all", "--json",
+        "--run", RUN_ID, "--all", "--json",
     ]
     done = subprocess.run(
         lan.hosts["coordinator"].command(argv), capture_output=True, text=True, timeout=STATUS_TIMEOUT_S,
-        cwd=REPO, env=child_env(),
+        cwd=REPO, env={**child_env(), "ELASTICRL_TOKEN": token},
     )
     assert done.returncode == 0, f"elasticrl status failed ({done.returncode}): {done.stderr}"
     return json.loads(done.stdout)
 
 
-@pytest.mark.timeout(240)
+def curl_metrics(host, coordinator_addr: str) -> Samples:
+    """``curl`` the coordinator's metrics from ``host``, across the bridge."""
+    argv = ["curl", "--silent", "--show-error", "--fail", "--max-time", "10", f"http://{coordinator_addr}:{METRICS_PORT}/metrics"]
+    done = subprocess.run(host.command(argv), capture_output=True, text=True, timeout=STATUS_TIMEOUT_S)
+    assert done.returncode == 0, f"curl of the metrics failed ({done.returncode}): {done.stderr}"
+    return parse_exposition(done.stdout)
+
+
+@pytest.mark.timeout(360)
 def test_two_hosts_train_and_the_survivor_finishes_when_one_dies(lan, tmp_path):
     from elasticrl.coordinator.launch import wait_for_port
     from elasticrl.train.checkpoint import load_checkpoint
 
+    for tool in ("openssl", "curl"):  # the documented coordinator block makes its token with openssl
+        if shutil.which(tool) is None:
+            pytest.skip(f"the documented commands need {tool}, which this machine lacks")
     coord, node1, node2 = lan.hosts["coordinator"], lan.hosts["node1"], lan.hosts["node2"]
-    endpoint = f"{coord.addr}:{COORDINATOR_PORT}"
-    run_id = f"multihost-{os.getpid()}"
-    run_dirs = {name: tmp_path / name for name in ("node1", "node2")}
+    dirs = {name: host_dir(tmp_path, name) for name in ("coordinator", "node1", "node2")}
+    run_dirs = {name: dirs[name] / "runs" / RUN_ID for name in ("node1", "node2")}  # the block's --run.run_dir
     procs = StartedProcesses(tmp_path)
     try:
-        port_file = tmp_path / "coordinator.port"
-        coordinator = procs.start("coordinator", coord, [
-            sys.executable, "-m", "elasticrl.cli", "coordinator", "--host", "0.0.0.0",
-            "--port", str(COORDINATOR_PORT), "--port-file", str(port_file),
-            "--state-dir", str(tmp_path / "coordinator-state"), "--lease-ttl", str(LEASE_TTL_S),
-        ], child_env())
-        port = wait_for_port(coordinator, port_file, timeout_s=COORDINATOR_START_S, log_path=procs.log_path("coordinator"))
+        coordinator = procs.start("coordinator", coord, ["bash", "-euc", coordinator_script()], child_env(), dirs["coordinator"])
+        port = wait_for_port(
+            coordinator, dirs["coordinator"] / "coordinator.port", timeout_s=COORDINATOR_START_S,
+            log_path=procs.log_path("coordinator"),
+        )
         assert port == COORDINATOR_PORT
+        token = (dirs["coordinator"] / "coordinator.token").read_text().strip()
+        assert len(token) == 64, "the documented block writes a 32-byte hex token"
         for name, host in (("node1", node1), ("node2", node2)):
-            procs.start(name, host, node_command(endpoint, run_id, host.addr, run_dirs[name]), child_env(name))
+            shutil.copy(dirs["coordinator"] / "coordinator.token", dirs[name])  # "copy coordinator.token to every node host"
+            procs.start(name, host, ["bash", "-euc", node_script(coord.addr, host.addr, name)], child_env(), dirs[name])
 
         # A few iterations in a world of two: both nodes met through the coordinator and each other.
         def two_node_progress():
@@ -215,6 +266,9 @@ def test_two_hosts_train_and_the_survivor_finishes_when_one_dies(lan, tmp_path):
         master = environment_values(node1.pids() + node2.pids(), "MASTER_ADDR")
         assert len(master) == 1 and master <= {node1.addr, node2.addr}, f"workers' MASTER_ADDR: {master}"
         assert reached < ITERATIONS, f"the run reached iteration {reached} of {ITERATIONS} before node 2 could be killed"
+        before = curl_metrics(node1, coord.addr)
+        assert value(before, "elasticrl_members", run=RUN_ID, state="live") == 2, "two torchrun agents"
+        assert value(before, "elasticrl_member_evictions_total", run=RUN_ID, reason="lease_expired") == 0
 
         # Node 2 dies: its agent and its worker (in a session of its own) at once.
         killed = node2.kill_all()
@@ -232,10 +286,22 @@ def test_two_hosts_train_and_the_survivor_finishes_when_one_dies(lan, tmp_path):
         assert "resumed from iteration" in procs.log_path("node1").read_text(errors="replace")
         checkpoint = load_checkpoint(str(run_dirs["node1"] / "checkpoints" / f"iter-{ITERATIONS:06d}"))
         assert checkpoint.iteration == ITERATIONS and checkpoint.model, checkpoint.meta
-        assert last["checkpoint"] == str(run_dirs["node1"] / "checkpoints" / f"iter-{ITERATIONS:06d}")
+        assert last["checkpoint"] == str(pathlib.Path("runs") / RUN_ID / "checkpoints" / f"iter-{ITERATIONS:06d}")
+
+        # The counters moved: node 2's agent was evicted, and training went on after it.
+        after = curl_metrics(node1, coord.addr)
+        assert value(after, "elasticrl_member_evictions_total", run=RUN_ID, reason="lease_expired") >= 1
+        assert value(after, "elasticrl_members", run=RUN_ID, state="evicted") >= 1
+        for name, run in (
+            ("elasticrl_barrier_wait_seconds_count", f"{RUN_ID}.workers"),
+            ("elasticrl_scheduler_iterations_sealed_total", f"{RUN_ID}.rollout"),
+            ("elasticrl_scheduler_trajectory_bytes_total", f"{RUN_ID}.rollout"),
+        ):
+            assert 0 < value(before, name, run=run) < value(after, name, run=run), (name, run)
+        assert value(after, "elasticrl_scheduler_iterations_sealed_total", run=f"{RUN_ID}.rollout") == ITERATIONS
 
         # Each agent registered the address it advertises to the others' workers (--local-addr).
-        runs = coordinator_status(lan, run_id)["runs"]
+        runs = coordinator_status(lan, token)["runs"]
         assert len(runs) == 1, runs
         members = runs[0]["snapshot"]["members"] + runs[0]["departed"]
         agents = [m for m in members if m["capabilities"].get("role") == "torchrun-agent"]
@@ -244,7 +310,7 @@ def test_two_hosts_train_and_the_survivor_finishes_when_one_dies(lan, tmp_path):
         (dead,) = [m for m in agents if m["capabilities"]["local_addr"] == node2.addr]
         assert dead["state"] == "MEMBER_STATE_EVICTED", dead
     except BaseException:
-        print(f"\n===== logs of every process (run dirs under {tmp_path}) =====\n{procs.logs()}", file=sys.stderr)
+        print(f"\n===== logs of every process (host dirs under {tmp_path}) =====\n{procs.logs()}", file=sys.stderr)
         raise
     finally:
         procs.kill_groups()

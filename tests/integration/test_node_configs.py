@@ -109,3 +109,47 @@ def test_fsdp2_trains_through_the_node(tmp_path):
     assert [r["policy_version"] for r in records] == [1, 2] and all(r["grad_norm"] > 0 for r in records)
     meta = json.loads((out / "checkpoints" / "iter-000002" / "meta.json").read_text())
     assert meta["strategy"] == "fsdp2"
+
+
+def test_a_sampling_temperature_is_trained_at_the_same_temperature(tmp_path):
+    """One update per iteration from the policy that sampled: the importance ratio is exactly 1
+    (nothing clipped) only if the update recomputes logprobs at the engines' temperature."""
+    out = tmp_path / "run"
+    result = run_demo(
+        out, "--nodes", "1", "--iterations", "2", "--checkpoint-every", "2", "--",
+        "--rollout.temperature=0.5", "--trainer.updates_per_iteration=1", "--trainer.warmup_steps=0",
+    )
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["clip_fraction"] for r in records] == [0.0, 0.0], records
+
+
+def test_deepspeed_zero2_trains_through_the_node(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "run"
+    result = run_demo(
+        out, "--nodes", "2", "--iterations", "2", "--checkpoint-every", "2", "--",
+        "--trainer.strategy=deepspeed", "--trainer.zero_stage=2",
+    )
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["policy_version"] for r in records] == [1, 2] and all(r["grad_norm"] > 0 for r in records)
+    meta = json.loads((out / "checkpoints" / "iter-000002" / "meta.json").read_text())
+    assert meta["strategy"] == "deepspeed" and meta["data_position"]["next_iteration"] == 3
+
+
+def test_a_reward_function_that_raises_stops_the_run_at_once(tmp_path):
+    """User code that fails fails the same way on every node: the run must stop with the error,
+    not wait out rollout.seal_timeout_s (600 s) for groups no engine can score."""
+    import time
+
+    reward_file = tmp_path / "broken_reward.py"
+    reward_file.write_text("def score(prompt, completion, target):\n    raise KeyError('no such answer field')\n")
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = run_demo(out, "--nodes", "1", "--iterations", "2", "--", f"--algorithm.rewards={reward_file}:score",
+                      "--trainer.warmup_steps=0")
+    assert result.returncode != 0, result.stdout
+    assert time.monotonic() - started < 100
+    assert "the reward function failed" in _logs(out) or "raised KeyError" in _logs(out), _logs(out)[-3000:]
+    assert not (out / "metrics.jsonl").exists()

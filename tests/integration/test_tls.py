@@ -82,3 +82,32 @@ def test_every_client_surface_over_tls_with_a_token(coordinator_factory, pki):
     with SchedulerClient(coord.address, token=token, call_timeout_s=2, reconnect_timeout_s=2) as plaintext:
         with pytest.raises(CoordinatorUnavailableError):
             plaintext.join("r.workers", "d")
+
+
+@pytest.mark.timeout(180)
+def test_a_torchrun_node_trains_over_tls(coordinator_factory, pki, tmp_path):
+    """The documented client settings of deploy/README.md's TLS table: the agent trusts the CA
+    through ``--rdzv-conf=tls_ca=``, the worker through ``--coordinator.tls_ca=``; the token
+    reaches both through ``ELASTICRL_TOKEN``."""
+    import os
+
+    from elasticrl.train.checkpoint import load_checkpoint
+
+    coord = coordinator_factory(extra_args=[
+        "--tls-cert", str(pki / "coordinator.crt"), "--tls-key", str(pki / "coordinator.key"),
+        "--token-file", str(pki / "token"),
+    ])
+    ca, run_dir = str(pki / "ca.crt"), tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env.update(ELASTICRL_TOKEN="tls-test-token", ELASTICRL_COORDINATOR=coord.address, OMP_NUM_THREADS="1")
+    node = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+         "--rdzv-backend=elasticrl", f"--rdzv-endpoint={coord.address}", "--rdzv-id=tls-run", f"--rdzv-conf=tls_ca={ca}",
+         "-m", "elasticrl.node", "--config", "elasticrl/configs/demo.toml", f"--coordinator.tls_ca={ca}",
+         f"--run.run_dir={run_dir}", "--run.iterations=2", "--run.eval_interval=0", "--trainer.warmup_steps=0"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
+    )
+    assert node.returncode == 0, node.stdout[-3000:] + node.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert load_checkpoint(records[-1]["checkpoint"]).iteration == 2

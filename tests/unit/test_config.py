@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from elasticrl.config import ConfigError, NodeConfig, load_config, parse_overrides, write_json
+from tests.conftest import REPO
 
 
 def test_defaults_are_valid_and_complete():
@@ -125,3 +129,28 @@ def test_resolved_config_is_written_as_json(tmp_path):
     assert data["trainer"]["lr"] == 0.01 and set(data) == {
         "run", "coordinator", "model", "task", "engine", "rollout", "algorithm", "trainer", "checkpoint", "logging"
     }
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRL_")}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_print_config_needs_no_coordinator():
+    done = _cli("-m", "elasticrl.node", "--config", "elasticrl/configs/demo.toml", "--print-config", "--run.iterations=7")
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["run"]["iterations"] == 7 and printed["coordinator"]["address"] == ""
+    done = _cli("-m", "elasticrl.node", "--config", "elasticrl/configs/demo.toml")  # to train, it does
+    assert done.returncode == 2 and "coordinator.address is not set" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--slots", "-3"], "--slots: -3 must be >= 1"),
+    (["--weight", "0"], "--weight: 0.0 must be > 0"),
+    (["--model.kind=hf", "--model.path=/nonexistent/model"], "model.path: '/nonexistent/model' is not a Hugging Face model directory"),
+])
+def test_rollout_worker_refuses_bad_input_with_status_2(args, message):
+    done = _cli("-m", "elasticrl.cli", "rollout", "--config", "elasticrl/configs/demo.toml",
+                "--coordinator", "127.0.0.1:9", "--run-id", "r", *args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

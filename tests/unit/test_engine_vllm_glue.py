@@ -25,7 +25,23 @@ from elasticrl.rollout import (  # noqa: E402
     WeightUpdateError,
     make_engine,
 )
-from elasticrl.rollout.vllm_worker import WORKER_EXTENSION, WeightLoaderExtension  # noqa: E402
+from elasticrl.rollout.vllm_engine import _spread_seed  # noqa: E402
+from elasticrl.rollout.vllm_worker import WORKER_EXTENSION, WeightLoaderExtension, from_wire, to_wire  # noqa: E402
+
+MSGPACK_NATIVE = (str, int, float, bool, bytes, type(None))
+
+
+def assert_msgpack_native(value, where="args"):
+    """What survives vLLM's untyped msgpack decoding unchanged: no tensors, no arbitrary objects."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            assert_msgpack_native(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            assert_msgpack_native(k, f"{where} key")
+            assert_msgpack_native(v, f"{where}[{k!r}]")
+    else:
+        assert isinstance(value, MSGPACK_NATIVE), f"{where} is a {type(value).__name__}, which vLLM's RPC does not carry"
 
 
 @dataclasses.dataclass
@@ -107,11 +123,19 @@ class FakeLLM:
         self.calls.append(("wake_up", tags))
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(("collective_rpc", method, [name for name, _ in args[0]]))
+        assert_msgpack_native(args)
+        assert_msgpack_native(kwargs or {}, "kwargs")
+        if method == "elasticrl_load_weights":
+            self.calls.append(("collective_rpc", method, [record[0] for record in args[0]]))
+        else:
+            self.calls.append(("collective_rpc", method))
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    reset_result = True
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
+        return self.reset_result
 
     def get_tokenizer(self):
         return "tokenizer"
@@ -155,7 +179,9 @@ def test_generate_maps_sampling_specs_and_reads_outputs(fake_vllm):
     groups = eng.generate([GroupRequest(task_id="a", prompt_ids=[1, 10], sampling=spec),
                            GroupRequest(task_id="b", prompt_ids=[1, 20], sampling=SamplingSpec(ignore_eos=True, top_k=5))])
     p, q = eng.llm.last_params
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.logprobs) == (3, 0.9, 0.95, -1, 4, 7, 0)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.logprobs) == (3, 0.9, 0.95, -1, 4, 0)
+    # hashed: vLLM draws sample i with seed + i, and tasks carry consecutive seeds
+    assert p.seed == _spread_seed(7) and abs(_spread_seed(8) - _spread_seed(7)) > 1000 and q.seed is None
     assert p.stop_token_ids == [2, 5, 9] and p.ignore_eos is False and p.detokenize is True
     assert q.stop_token_ids == [] and q.ignore_eos is True and q.top_k == 5
     a, b = groups
@@ -200,15 +226,69 @@ def test_update_errors_name_the_tensor_and_keep_the_version(fake_vllm):
     assert eng.llm.calls[-2:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]  # not left half awake
 
 
-def test_level_two_sleep_needs_new_weights(fake_vllm):
+def test_level_two_sleep_needs_every_weight_again(fake_vllm):
     _, model_dir = fake_vllm
     eng = make_engine("vllm", model_dir=model_dir, sleep_level=2)
     eng.sleep()
     assert eng.llm.calls[-1] == ("sleep", 2)
     with pytest.raises(EngineStateError, match="level 2"):
         eng.wake()
-    eng.update_weights([("model.norm.weight", torch.zeros(4))], version=1)
+    with pytest.raises(WeightUpdateError, match="1 parameter.*lm_head.weight"):
+        eng.update_weights([("model.norm.weight", torch.zeros(4))], version=1)
+    with pytest.raises(EngineStateError, match="discarded"):  # still refuses to generate from garbage
+        eng.generate([GroupRequest(task_id="t", prompt_ids=[1])])
+    assert eng.policy_version == 0
+    eng.update_weights([("model.norm.weight", torch.zeros(4)), ("lm_head.weight", torch.ones(8, 4))], version=1)
+    assert ("collective_rpc", "elasticrl_missing_params") in eng.llm.calls
     eng.generate([GroupRequest(task_id="t", prompt_ids=[1])])
+    assert eng.policy_version == 1
+
+
+def test_level_one_updates_may_be_partial(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir)
+    eng.sleep()
+    eng.update_weights([("model.norm.weight", torch.zeros(4))], version=1)  # the rest stayed on the GPU
+    assert ("collective_rpc", "elasticrl_missing_params") not in eng.llm.calls and eng.policy_version == 1
+
+
+def test_a_refused_prefix_cache_reset_fails_the_update(fake_vllm):
+    _, model_dir = fake_vllm
+    eng = make_engine("vllm", model_dir=model_dir)
+    eng.llm.reset_result = False
+    with pytest.raises(WeightUpdateError, match="prefix cache"):
+        eng.update_weights([("model.norm.weight", torch.zeros(4))], version=1)
+    assert eng.policy_version == 0
+
+
+def test_quantized_engines_are_refused(fake_vllm):
+    _, model_dir = fake_vllm
+    with pytest.raises(ValueError, match="quantization='awq'.*not supported"):
+        make_engine("vllm", model_dir=model_dir, llm_kwargs={"quantization": "awq"})
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    torch.randn(2, 3, dtype=torch.bfloat16),
+    torch.tensor(2.5, dtype=torch.float16),  # 0-dim
+    torch.zeros(0, 4),
+    torch.arange(10, dtype=torch.int64)[::2],  # not contiguous
+    torch.tensor([True, False]),
+])
+def test_wire_records_rebuild_the_tensor_exactly(tensor):
+    record = to_wire("w", tensor)
+    assert_msgpack_native(record)
+    name, back = from_wire(list(record))  # msgpack hands tuples back as lists
+    assert name == "w" and back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+
+
+def test_malformed_wire_records_name_the_problem():
+    with pytest.raises(ValueError, match="unknown dtype 'float99'"):
+        from_wire(["w", "float99", [1], b"\0\0\0\0"])
+    with pytest.raises(ValueError, match="3 bytes do not make a float32 tensor"):
+        from_wire(["w", "float32", [1], b"abc"])
+    with pytest.raises(ValueError, match="must be \\(name, dtype, shape, bytes\\)"):
+        from_wire(["w", "float32"])
 
 
 def test_old_vllm_without_wake_tags_and_without_tokenizer(fake_vllm, monkeypatch):

@@ -67,13 +67,16 @@ def one_thread():
 
 
 def test_grpo_learns_to_copy_two_digits(one_thread):
+    # 40 iterations at lr 5e-3: over seeds 0-7 the last five iterations' mean reward was 0.29-0.66
+    # against 0.02-0.03 for the first five. The numbers differ between CPUs (kernels round
+    # differently, so the samples differ), which is why the bounds sit far inside that range.
     torch.manual_seed(0)
     model = TinyCausalLM(ModelConfig(), len(VOCAB))
     task = make_task("copy", 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
     rewards = []
-    for it in range(1, 26):
+    for it in range(1, 41):
         batch = sample_groups(model, VOCAB, task, task.sample(random.Random(it), 16), group_size=8,
                               max_new_tokens=task.max_new_tokens, temperature=1.0, generator=gen)
         adv = group_advantages(batch.rewards, 8)
@@ -86,4 +89,4 @@ def test_grpo_learns_to_copy_two_digits(one_thread):
             opt.step()
         rewards.append(float(batch.rewards.mean()))
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > 0.25 and last > 3 * first, rewards
+    assert last > 0.15 and last > 4 * first, rewards

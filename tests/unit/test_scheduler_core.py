@@ -10,7 +10,7 @@ import json
 import pytest
 
 from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, NotReadyError, RunClosedError
-from elasticrl.scheduler.core import FENCED_STREAM_GRACE_S, End
+from elasticrl.scheduler.core import FENCED_STREAM_GRACE_S, REDISPATCH_S, End
 from elasticrl.scheduler.state import IterationConfig, Policy, Split, TaskSpec, TaskStatus
 from elasticrl.scheduler.store import MANIFEST
 
@@ -295,6 +295,21 @@ def test_release_requeues_at_the_front():
         h.sched.release(b, 9, ["t00"], "x")
 
 
+def test_a_task_released_by_the_only_worker_is_offered_again_after_a_pause():
+    h = Harness()
+    a = h.worker("a", slots=1)
+    h.sched.submit(RUN, 1, specs(1), IterationConfig())
+    assert assigned(drain(a)) == ids(0)
+    h.sched.release(a, 1, ["t00"], "engine error")
+    assert drain(a) == []  # not straight back
+    h.clock.now += REDISPATCH_S / 2
+    h.sched.tick()
+    assert drain(a) == []
+    h.clock.now += REDISPATCH_S / 2
+    h.sched.tick()
+    assert assigned(drain(a)) == ids(0)  # nobody else took it: retried here
+
+
 def test_released_task_goes_to_another_free_worker():
     h = Harness()
     a = h.worker("a", slots=1)
@@ -403,7 +418,7 @@ def test_deadline_seal_with_min_fraction_drops_the_rest_and_cancels_holders():
     assert assigned(drain(a)) == ids(3)
     it = h.it()
     h.advance(9.5)
-    assert not it.sealed
+    assert not it.sealed and h.sched.manifest(it)["sealed_ago_s"] == 0.0
     h.advance(0.5)
     assert it.sealed and it.seal_reason.startswith("deadline passed with 2/4")
     assert cancelled(drain(a)) == ids(3) and cancelled(drain(b)) == ids(1)
@@ -420,6 +435,9 @@ def test_deadline_seal_with_min_fraction_drops_the_rest_and_cancels_holders():
     m = h.sched.manifest(it)
     assert (m["sealed"], m["tasks_done"], m["tasks_total"], m["refused_sealed"]) == (True, 2, 4, 1)
     assert m["elapsed_s"] == pytest.approx(10.0)
+    assert m["sealed_ago_s"] == pytest.approx(0.0)
+    h.advance(0.25)
+    assert h.sched.manifest(it)["sealed_ago_s"] == pytest.approx(0.25)  # the seal's age when a reply is built
 
 
 def test_deadline_passed_below_min_fraction_seals_on_the_result_that_reaches_it():

@@ -1,0 +1,42 @@
+"""One call on a daemon thread whose failure resurfaces where its result is awaited.
+
+The node runs two things off its critical path: rank 0 submits the next iteration's tasks while
+the current one updates, and uploads each new policy version to the coordinator while the next
+iteration rolls out. Both must not be lost silently: ``BackgroundCall.wait`` joins the thread
+with a deadline and re-raises whatever the call raised.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from elasticrl.errors import ElasticRLError
+
+
+class BackgroundCall:
+    """``fn()`` started at once on a daemon thread named ``name``."""
+
+    def __init__(self, fn: Callable[[], object], name: str):
+        self.name = name
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._failure = exc
+
+    def wait(self, timeout_s: float) -> float:
+        """Join the call within ``timeout_s``; re-raise its failure; ``ElasticRLError`` if it is
+        still running then. Returns the seconds spent waiting."""
+        t0 = time.monotonic()
+        self._thread.join(timeout=timeout_s)
+        if self._failure is not None:
+            raise self._failure
+        if self._thread.is_alive():
+            raise ElasticRLError(f"{self.name} did not finish within {timeout_s:.0f}s")
+        return time.monotonic() - t0
