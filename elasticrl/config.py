@@ -204,7 +204,8 @@ class RolloutConfig:
 
     temperature: float = 1.0
     """Sampling temperature; 1.0 samples from the policy itself. The update recomputes logprobs at
-    the same temperature, so the importance ratio compares the distributions the samples came from."""
+    the same temperature, so the importance ratio compares the distributions the samples came from
+    (and the KL to the reference, algorithm.kl_coef, is measured between the tempered policies)."""
     max_new_tokens: int = 0
     """Longest completion, tokens; 0 means the task's own limit."""
     policy: str = "dynamic"

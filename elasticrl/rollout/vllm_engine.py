@@ -29,7 +29,8 @@ records (``vllm_worker.to_wire``): the engine core runs in another process and d
 arguments without type information, which does not rebuild a ``torch.Tensor``. They are sent in
 chunks of ``weight_chunk_bytes`` so the driver never holds a second copy of the whole model in
 serialised form. After a level-2 sleep (weights discarded) an update must cover every parameter:
-the workers report what ``load_weights`` loaded and a partial update is refused. Quantized models
+the workers report what ``load_weights`` loaded in that very call (a fused parameter counts once
+any part of it is loaded) and a partial update is refused. Quantized models
 are refused: their loaders post-process weights after loading, which an in-place update skips. With tensor
 parallelism every rank receives the full tensor and ``load_weights`` cuts its shard, which is
 correct but ships the model tp times; large TP deployments want the NCCL broadcast path of vLLM's
@@ -185,6 +186,7 @@ class VLLMEngine:
         self._version = int(policy_version)
         self._sleeping = False
         self._weights_discarded = False
+        self._updates = 0
         self._closed = False
         logger.info(
             "vllm engine: %s, tp=%d, gpu_memory_utilization=%.2f, sleep mode %s (level %d), logprobs %s",
@@ -250,15 +252,17 @@ class VLLMEngine:
                 self._llm.wake_up()
         self._sleeping = False
         count = 0
+        self._updates += 1
+        update = self._updates  # the workers collect what this call loads under its own number
         try:
             for chunk in _chunks(named_tensors, self._chunk_bytes):
                 try:
-                    self._llm.collective_rpc("elasticrl_load_weights", args=(chunk, version))
+                    self._llm.collective_rpc("elasticrl_load_weights", args=(chunk, update))
                 except Exception as exc:
                     raise WeightUpdateError(f"update_weights: vLLM rejected a tensor: {exc}") from exc
                 count += len(chunk)
             if self._weights_discarded:
-                self._check_complete(version)
+                self._check_complete(update, version)
         finally:
             if kv_asleep:
                 self._llm.wake_up(tags=["kv_cache"])
@@ -271,10 +275,10 @@ class VLLMEngine:
         self._version = version
         logger.info("vllm engine: loaded %d tensors, policy version %d", count, version)
 
-    def _check_complete(self, version: int) -> None:
+    def _check_complete(self, update: int, version: int) -> None:
         """After a level-2 sleep every parameter must have been reloaded, or generation would read
         uninitialised memory."""
-        reports = self._llm.collective_rpc("elasticrl_missing_params", args=(version,))
+        reports = self._llm.collective_rpc("elasticrl_missing_params", args=(update,))
         if any(r is None for r in reports):
             logger.warning("vllm engine: the model's load_weights does not report what it loaded; "
                            "cannot check that version %d reloaded every parameter", version)

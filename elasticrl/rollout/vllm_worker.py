@@ -20,6 +20,7 @@ each worker process. It imports torch only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ def from_wire(record: Any) -> tuple[str, torch.Tensor]:
         raise ValueError(f"{name!r}: unknown dtype {dtype_name!r}")
     shape = [int(d) for d in shape]
     if not data:
+        if math.prod(shape):
+            raise ValueError(f"{name!r}: no bytes for a {dtype_name} tensor of shape {shape}")
         return name, torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     try:
@@ -62,20 +65,21 @@ class WeightLoaderExtension:
     model_runner: Any
     device: Any
 
-    def elasticrl_load_weights(self, records: list[WireTensor], version: int) -> int:
+    def elasticrl_load_weights(self, records: list[WireTensor], update: int) -> int:
         """Load HF-named tensors (``to_wire`` records of full, unsharded tensors) into the running
-        model, in place, as part of policy ``version``.
+        model, in place, as part of weight update number ``update`` (the engine counts its calls
+        of ``update_weights``; a retried update is a new number).
 
         ``load_weights`` maps HF names onto vLLM's fused parameters (q/k/v -> qkv_proj, gate/up ->
         gate_up_proj) and cuts this rank's tensor-parallel shard, so every rank gets the full
         tensor. One tensor at a time, so an error names the tensor that caused it. The parameter
-        names ``load_weights`` reports are collected per version for ``elasticrl_missing_params``.
+        names ``load_weights`` reports are collected per update for ``elasticrl_missing_params``.
         Returns the number of tensors loaded.
         """
         model = self.model_runner.model
         device = getattr(self, "device", None) or torch.device("cuda", torch.cuda.current_device())
-        if self.__dict__.get("_elasticrl_version") != version:
-            self._elasticrl_version = version
+        if self.__dict__.get("_elasticrl_update") != update:
+            self._elasticrl_update = update
             self._elasticrl_loaded: set[str] | None = set()
         for record in records:
             name, tensor = from_wire(record)
@@ -90,11 +94,12 @@ class WeightLoaderExtension:
         torch.cuda.synchronize()
         return len(records)
 
-    def elasticrl_missing_params(self, version: int) -> list[str] | None:
-        """This rank's parameters that no ``elasticrl_load_weights`` of ``version`` has loaded
-        (vLLM's own loader makes the same check after loading a checkpoint); None when the model's
-        ``load_weights`` does not report what it loaded."""
-        if self.__dict__.get("_elasticrl_version") != version:
+    def elasticrl_missing_params(self, update: int) -> list[str] | None:
+        """This rank's parameters that no ``elasticrl_load_weights`` of ``update`` has loaded, by
+        what ``load_weights`` reports (vLLM's own loader makes the same check after loading a
+        checkpoint; a fused parameter such as ``qkv_proj`` counts as loaded once any of its parts
+        is); None when the model's ``load_weights`` does not report what it loaded."""
+        if self.__dict__.get("_elasticrl_update") != update:
             loaded: set[str] | None = set()
         else:
             loaded = self._elasticrl_loaded

@@ -30,6 +30,7 @@ from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, No
 from elasticrl.scheduler import policy
 from elasticrl.scheduler.persist import SchedulerDB
 from elasticrl.scheduler.state import (
+    RELEASE_STOPPING,
     GroupRecord,
     Holder,
     Iteration,
@@ -90,6 +91,8 @@ class WorkerConn:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.closed = False
         self.fenced_at: float | None = None
+        self.draining = False
+        """The worker said it is stopping (``RELEASE_STOPPING``): nothing more is handed to it."""
 
     def send(self, message) -> None:
         if not self.closed:
@@ -286,6 +289,8 @@ class SchedulerCore:
     def release(self, conn: WorkerConn, iteration: int, task_ids: list[str], reason: str) -> None:
         """The worker gives tasks back unfinished: they are queued again for anyone."""
         it = self.iteration(conn.run_id, iteration)
+        if reason == RELEASE_STOPPING:
+            conn.draining = True
         with self.db.tx():
             for task_id in task_ids:
                 key = (iteration, task_id)
@@ -302,7 +307,10 @@ class SchedulerCore:
         """Hand queued tasks to workers with free slots, one task per worker per pass, so equal
         workers start with equal work."""
         self._dispatched_at[run_id] = self.clock()
-        conns = [c for c in self.conns.get(run_id, {}).values() if c is not skip and not c.closed and c.worker.free > 0]
+        conns = [
+            c for c in self.conns.get(run_id, {}).values()
+            if c is not skip and not c.closed and not c.draining and c.worker.free > 0
+        ]
         open_its = policy.oldest_open(list(self.iterations.get(run_id, {}).values()))
         if not conns or not open_its:
             return

@@ -15,6 +15,11 @@ import enum
 import sys
 
 
+RELEASE_STOPPING = "worker stopping"
+"""The reason a worker gives when it releases tasks because it is stopping: the scheduler hands
+it nothing more (it would only give it back)."""
+
+
 class Policy(str, enum.Enum):
     DYNAMIC = "dynamic"
     STATIC = "static"

@@ -35,7 +35,7 @@ from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.aio_session import worth_reopening
 from elasticrl.errors import CoordinatorUnavailableError, ElasticRLError, FencedError
 from elasticrl.scheduler.convert import result_to_pb, task_from_pb
-from elasticrl.scheduler.state import GroupRecord, TaskSpec
+from elasticrl.scheduler.state import RELEASE_STOPPING, GroupRecord, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class RolloutWorker:
             a.cancelled.set()
             give_back[iteration].append(task_id)
         for iteration, task_ids in give_back.items():
-            self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=iteration, task_ids=task_ids, reason="worker stopping")))
+            self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=iteration, task_ids=task_ids, reason=RELEASE_STOPPING)))
         self._flush()
         deadline = time.monotonic() + timeout_s
         while self.unacked and not streams.done() and time.monotonic() < deadline:
@@ -292,7 +292,7 @@ class RolloutWorker:
         for a in messages:
             spec = task_from_pb("assign.task", a.task)
             if self._stopping:
-                self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=a.iteration, task_ids=[spec.task_id], reason="worker stopping")))
+                self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=a.iteration, task_ids=[spec.task_id], reason=RELEASE_STOPPING)))
                 continue
             assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
             self._running[(a.iteration, spec.task_id)] = assignment

@@ -30,6 +30,10 @@ class BackgroundCall:
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._failure = exc
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def wait(self, timeout_s: float) -> float:
         """Join the call within ``timeout_s``; re-raise its failure; ``ElasticRLError`` if it is
         still running then. Returns the seconds spent waiting."""

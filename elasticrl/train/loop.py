@@ -88,8 +88,10 @@ def weights_version(generation: int, policy_version: int) -> int:
 def iteration_seed(seed: int, iteration: int, rank: int) -> int:
     """The seed of torch's and Python's global RNGs on ``rank`` for ``iteration``'s update
     (dropout, anything else that draws from them). Reseeding at every iteration makes the RNG a
-    function of (run.seed, iteration, rank), so a checkpoint needs no RNG state to resume exactly
-    where it left off: the iteration number is the data position and the RNG position at once."""
+    function of (run.seed, iteration, rank), so a checkpoint needs no RNG state: resumed in a world
+    of the same size, the next iteration draws what it would have drawn (in another size the ranks
+    differ, and so do their streams). The iteration number is the data position and the RNG
+    position at once."""
     return (seed * 1_000_003 + iteration * 7_919 + rank) % (2**63)
 
 
@@ -338,7 +340,15 @@ class NodeTrainer:
         pending, self._presubmitted = self._presubmitted, None
         if pending is None or pending[0] != iteration:
             return False
-        pending[1].wait(self.cfg.coordinator.reconnect_timeout_s + self.cfg.coordinator.call_timeout_s)
+        call = pending[1]
+        try:
+            call.wait(self.cfg.coordinator.reconnect_timeout_s + self.cfg.coordinator.call_timeout_s)
+        except ElasticRLError:
+            if not call.running:
+                raise  # the submit itself failed
+            # Still retrying a slow coordinator: submit again here (a no-op if the other lands).
+            log.warning("the background submit of iteration %d is still running; submitting it again", iteration)
+            return False
         return True
 
     def _rollout(self, iteration: int) -> dict:
@@ -503,7 +513,8 @@ class NodeTrainer:
             # for iteration i, and the global RNGs are reseeded with iteration_seed() every
             # iteration, so the next iteration number says it all.
             "data_position": {"next_iteration": iteration + 1, "prompt_rng": f"{cfg.run.seed}/{iteration + 1}",
-                              "rng": "iteration_seed(run.seed, iteration, rank), reseeded every iteration"},
+                              "rng": "iteration_seed(run.seed, iteration, rank), reseeded every iteration "
+                                     "(the same draws when resumed in a world of the same size)"},
             "reward_mean": metrics["reward_mean"],
             "config": {"model": to_dict(cfg)["model"], "task": to_dict(cfg)["task"]},
             "strategy": cfg.trainer.strategy,

@@ -149,7 +149,8 @@ class EngineWorker:
         self.version_timeout_s = version_timeout_s
         self.error: BaseException | None = None
         self.groups_done = 0
-        self._failures = 0  # consecutive failed batches
+        self._failures = 0  # consecutive failed batches, over all of the worker's slots
+        self._failures_lock = threading.Lock()  # batches run on up to `slots` executor threads
         self.worker = RolloutWorker(
             address, run_id, member_id, None, generate_batch=self._generate_batch, slots=slots, weight=weight,
             token=token, tls_ca=tls_ca, call_timeout_s=call_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
@@ -198,19 +199,29 @@ class EngineWorker:
             self._loop.call_soon_threadsafe(self._stop.set)
 
     def _generate_batch(self, assignments: list[Assignment]) -> list[GroupRecord]:
+        metas = [json.loads(a.task.metadata_json) for a in assignments]
+        # Whatever the gate raises (stopping, this engine lags behind, the run closed while a
+        # rollout-only worker waited for weights) gives the tasks back and says nothing about the
+        # engine: it is not counted as a failure.
+        self.gate.wait(
+            max(int(m.get("policy_version", 0)) for m in metas),
+            max(int(m.get("weights_version", 0)) for m in metas),
+            self.version_timeout_s,
+        )
         try:
-            out = self._draw_and_score(assignments)
-        except (GateClosed, PolicyVersionTimeout):
-            raise  # stopping, or this engine lags behind: the tasks go back for others
+            out = self._draw_and_score(assignments, metas)
         except RewardError as exc:
             self._fail(exc)
             raise
         except Exception as exc:
-            self._failures += 1
-            if self._failures >= MAX_ENGINE_FAILURES:
-                self._fail(ElasticRLError(f"the rollout engine failed {self._failures} batches in a row; last: {type(exc).__name__}: {exc}"))
+            with self._failures_lock:
+                self._failures += 1
+                failures = self._failures
+            if failures >= MAX_ENGINE_FAILURES:
+                self._fail(ElasticRLError(f"the rollout engine failed {failures} batches in a row; last: {type(exc).__name__}: {exc}"))
             raise
-        self._failures = 0
+        with self._failures_lock:
+            self._failures = 0
         return out
 
     def _reward(self, task_id: str, meta: dict, text: str) -> float:
@@ -221,14 +232,8 @@ class EngineWorker:
         except Exception as exc:
             raise RewardError(f"the reward function failed on task {task_id!r}: {type(exc).__name__}: {exc}") from exc
 
-    def _draw_and_score(self, assignments: list[Assignment]) -> list[GroupRecord]:
+    def _draw_and_score(self, assignments: list[Assignment], metas: list[dict]) -> list[GroupRecord]:
         """Draw every task of one assignment message in one engine call, then score the samples."""
-        metas = [json.loads(a.task.metadata_json) for a in assignments]
-        self.gate.wait(
-            max(int(m.get("policy_version", 0)) for m in metas),
-            max(int(m.get("weights_version", 0)) for m in metas),
-            self.version_timeout_s,
-        )
         requests = []
         for a in assignments:
             s = a.task.sampling

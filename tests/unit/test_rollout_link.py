@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def engine(model, vocab, task, version: int = 7) -> EngineWorker:
     w.engine = TinyEngine(model, vocab, lock=lock, policy_version=version)
     w.decode, w.reward, w.lock = vocab.decode, reward_function([], None, task), lock
     w.gate, w.stop_token_ids, w.version_timeout_s, w.groups_done = VersionGate(version), (), 5.0, 0
-    w.error, w._failures, w._stop = None, 0, None
+    w.error, w._failures, w._failures_lock, w._stop = None, 0, threading.Lock(), None
     return w
 
 
@@ -237,3 +238,11 @@ def test_a_failing_reward_stops_the_worker_and_engine_failures_do_after_a_few():
             w._generate_batch(batch)
         assert (w.error is None) == (attempt < MAX_ENGINE_FAILURES)  # transient until it keeps failing
     assert isinstance(w.error, ElasticRLError) and "failed 3 batches in a row" in str(w.error)
+
+    # The gate failing (the run closed while a rollout-only worker waited for weights) is not the engine's.
+    w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=0)
+    w.gate = types.SimpleNamespace(wait=lambda *a: (_ for _ in ()).throw(ElasticRLError("run 'r.rollout' is closed")))
+    for _ in range(MAX_ENGINE_FAILURES + 1):
+        with pytest.raises(ElasticRLError, match="closed"):
+            w._generate_batch(batch)
+    assert w.error is None

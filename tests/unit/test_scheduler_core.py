@@ -11,7 +11,7 @@ import pytest
 
 from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, NotReadyError, RunClosedError
 from elasticrl.scheduler.core import FENCED_STREAM_GRACE_S, REDISPATCH_S, End
-from elasticrl.scheduler.state import IterationConfig, Policy, Split, TaskSpec, TaskStatus
+from elasticrl.scheduler.state import RELEASE_STOPPING, IterationConfig, Policy, Split, TaskSpec, TaskStatus
 from elasticrl.scheduler.store import MANIFEST
 
 from tests.unit.scheduler_harness import RUN, Clock, Harness, assigned, cancelled, drain, group, spec, specs
@@ -308,6 +308,22 @@ def test_a_task_released_by_the_only_worker_is_offered_again_after_a_pause():
     h.clock.now += REDISPATCH_S / 2
     h.sched.tick()
     assert assigned(drain(a)) == ids(0)  # nobody else took it: retried here
+
+
+def test_a_stopping_worker_is_handed_nothing_more():
+    h = Harness()
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 1)
+    h.sched.release(a, 1, ["t00", "t01"], RELEASE_STOPPING)
+    for _ in range(4):  # no ping-pong of tasks it would only give back (and requeues counted each time)
+        h.clock.now += REDISPATCH_S
+        h.sched.tick()
+        assert drain(a) == []
+    it = h.it()
+    assert it.counters.requeued == 2 and sorted(it.queue) == ids(0, 1)
+    b = h.worker("b", slots=2)
+    assert sorted(assigned(drain(b))) == ids(0, 1)
 
 
 def test_released_task_goes_to_another_free_worker():
