@@ -248,8 +248,8 @@ class Demo:
     """SchedulerClient, opened when --kill-phase needs to watch an iteration."""
     header_shown: bool = False
     kill_iteration: int = 0
-    """--kill-phase rollout: the iteration watched now (--kill-at, or a later one if the victim
-    delivered no group of it before it sealed)."""
+    """--kill-phase rollout: the iteration watched now when the victim delivered no group of
+    --kill-at's before it sealed (0: --kill-at itself)."""
 
     @property
     def logs(self) -> str:
@@ -311,7 +311,7 @@ class Demo:
             from elasticrl.scheduler.client import SchedulerClient
 
             self.scheduler = SchedulerClient(self.env["ELASTICRL_COORDINATOR"], call_timeout_s=5)
-        target = max(a.kill_at, self.kill_iteration)
+        target = self.kill_iteration or a.kill_at
         try:
             m = self.scheduler.iteration_status(f"{self.run_id}.rollout", target)
         except Exception:  # noqa: BLE001 - the coordinator may be busy; look again next time

@@ -30,8 +30,8 @@ arguments without type information, which does not rebuild a ``torch.Tensor``. T
 chunks of ``weight_chunk_bytes`` so the driver never holds a second copy of the whole model in
 serialised form. After a level-2 sleep (weights discarded) an update must cover every parameter:
 the workers report what ``load_weights`` loaded in that very call (a fused parameter counts once
-any part of it is loaded) and a partial update is refused. Quantized models
-are refused: their loaders post-process weights after loading, which an in-place update skips. With tensor
+any part of it is loaded) and a partial update is refused. Quantized models are refused: their
+loaders post-process weights after loading, which an in-place update skips. With tensor
 parallelism every rank receives the full tensor and ``load_weights`` cuts its shard, which is
 correct but ships the model tp times; large TP deployments want the NCCL broadcast path of vLLM's
 ``examples/offline_inference/rlhf.py`` (a ``StatelessProcessGroup`` + ``PyNcclCommunicator``
@@ -42,11 +42,11 @@ implemented here.
 from __future__ import annotations
 
 import gc
+import hashlib
 import inspect
 import logging
 import os
 import time
-import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 

@@ -35,7 +35,8 @@ from elasticrl.scheduler.worker import Assignment, RolloutWorker
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str, str], float]
-"""fn(prompt, completion, target) -> reward."""
+"""fn(prompt, completion, target) -> reward; ``rl.rewards.reward_function`` builds one that raises
+``RewardError`` (naming the function and the prompt) whenever the user's code fails."""
 
 
 class PolicyVersionTimeout(ElasticRLError, TimeoutError):
@@ -126,7 +127,7 @@ class EngineWorker:
     ``engine_lock`` serializes the engine between this thread (generate) and the trainer (sleep,
     update_weights, and, when the engine shares the trainer's module, the optimizer step).
     ``gate.wait(policy_version, weights_version, timeout_s)`` runs before each batch; ``stop``
-    closes the gate (``gate.close()``, where it has one).
+    closes the gate (``gate.close()``), which wakes every batch still waiting at it.
 
     Failures: a batch the engine fails on goes back to the queue (another engine, or this one a
     moment later, retries it), but ``MAX_ENGINE_FAILURES`` failed batches in a row, or any error
@@ -224,14 +225,6 @@ class EngineWorker:
             self._failures = 0
         return out
 
-    def _reward(self, task_id: str, meta: dict, text: str) -> float:
-        try:
-            return float(self.reward(meta["prompt"], text, meta.get("target", "")))
-        except RewardError:
-            raise
-        except Exception as exc:
-            raise RewardError(f"the reward function failed on task {task_id!r}: {type(exc).__name__}: {exc}") from exc
-
     def _draw_and_score(self, assignments: list[Assignment], metas: list[dict]) -> list[GroupRecord]:
         """Draw every task of one assignment message in one engine call, then score the samples."""
         requests = []
@@ -251,7 +244,7 @@ class EngineWorker:
             samples = []
             for sample in group.samples:
                 text = sample.text if sample.text is not None else self.decode(sample.completion_ids)
-                reward = self._reward(a.task.task_id, meta, text)
+                reward = self.reward(meta["prompt"], text, meta.get("target", ""))
                 samples.append(SampleRecord.pack(
                     sample.completion_ids, sample.logprobs, reward, finish_reason=sample.finish_reason, text=text,
                 ))
@@ -260,9 +253,7 @@ class EngineWorker:
         return out
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        close = getattr(self.gate, "close", None)
-        if close is not None:
-            close()
+        self.gate.close()
         if self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=timeout_s)
