@@ -2,10 +2,11 @@
 "engine" sleeps a per-node time per task and returns deterministic fake tokens.
 
     python bench/fake_rollout_worker.py --coordinator HOST:PORT --run RUN --member w1 \
-        --task-s 0.1 [--slots 1] [--weight 1] [--tokens 16] [--events FILE]
+        --task-s 0.1 [--slots 1] [--weight 1] [--tokens 16] [--events FILE] [--fail-first N]
 
 ``--events`` appends one JSON line per started and finished task (flushed at once), so a test
-can tell what a worker did before it was killed. Exit status: 0 after SIGTERM/SIGINT (clean
+can tell what a worker did before it was killed. ``--fail-first N`` reports its first N tasks as
+failed attempts (as if their environment raised in 2 episodes each). Exit status: 0 after SIGTERM/SIGINT (clean
 stop), 3 when fenced, 4 when the coordinator stayed unreachable.
 """
 
@@ -25,7 +26,7 @@ import zlib
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from elasticrl.errors import CoordinatorUnavailableError, FencedError  # noqa: E402
-from elasticrl.scheduler.state import GroupRecord, SampleRecord  # noqa: E402
+from elasticrl.scheduler.state import GroupRecord, SampleRecord, TaskFailure  # noqa: E402
 from elasticrl.scheduler.worker import Assignment, RolloutWorker  # noqa: E402
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-bytes", type=int, default=1 << 20)
     p.add_argument("--linger", type=float, default=0.01, help="result batching delay, seconds")
     p.add_argument("--events", help="append JSON lines of task events to this file")
+    p.add_argument("--fail-first", type=int, default=0, metavar="N", help="report the first N tasks as failed attempts")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.member} %(levelname)s %(name)s: %(message)s")
     events = open(args.events, "a", buffering=1) if args.events else None
@@ -57,8 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             events.write(json.dumps({"event": kind, "member": args.member, "pid": os.getpid(),
                                      "iteration": a.iteration, "task_id": a.task.task_id, "t": time.time()}) + "\n")
 
-    def generate(a: Assignment) -> GroupRecord:
+    failures = [0]
+
+    def generate(a: Assignment) -> GroupRecord | TaskFailure:
         note("start", a)
+        if failures[0] < args.fail_first:
+            failures[0] += 1
+            note("failed", a)
+            return TaskFailure(a.task.task_id, f"env fake.step() raised RuntimeError: attempt {failures[0]}", env_errors=2)
         end = time.monotonic() + args.task_s
         while time.monotonic() < end and not a.cancelled.is_set():
             time.sleep(min(0.01, max(0.0, end - time.monotonic())))

@@ -30,6 +30,7 @@ import time
 from elasticrl import config as cfgmod  # pure Python: the demo process never imports torch
 from elasticrl.coordinator.launch import coordinator_command, wait_for_port
 from elasticrl.rl.tasks import TASKS
+from elasticrl.rl.workload import workload_name
 
 BUNDLED_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo.toml")
 
@@ -57,7 +58,7 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
     p.add_argument("--iterations", type=int, help="RL iterations (default: the config's run.iterations)")
     p.add_argument("--task", choices=sorted(TASKS), help="toy task (default: the config's task.name)")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N iterations (default: the config's)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/demo-<timestamp>)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: the config's run.run_dir, else runs/<run id>)")
     p.add_argument(
         "--rdzv-backend", choices=["auto", "elasticrl", "c10d"], default="auto",
         help="torchrun rendezvous: auto picks elasticrl when its plugin is installed, else c10d (default: %(default)s)",
@@ -355,6 +356,14 @@ class Demo:
             reader.join(timeout=5)
 
 
+def run_id_for(config_path: str) -> str:
+    """A fresh run id named after the config: ``demo-<time>`` for the bundled demo, else
+    ``<config file stem>-<time>`` (``agent-demo-20261125-101500``)."""
+    stem = "demo" if os.path.abspath(config_path) == BUNDLED_CONFIG else os.path.splitext(os.path.basename(config_path))[0]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", stem).strip("-.") or "run"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def node_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as config overrides, then the user's own (later ones win)."""
     shortcuts = [("run.iterations", args.iterations), ("task.name", args.task), ("checkpoint.every_iterations", args.checkpoint_every)]
@@ -371,19 +380,31 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         config = cfgmod.load_config(args.config, cfgmod.parse_overrides(node_args))
     except cfgmod.ConfigError as exc:
         parser.error(str(exc))
-    args.iterations, args.task = config.run.iterations, config.task.name
+    args.iterations = config.run.iterations
+    try:  # the rows, the reward functions and the env too: a bad file or row must stop us here
+        from elasticrl.rl.rewards import RewardError, reward_function
+        from elasticrl.rl.workload import episode_env, row_source, toy_task
+
+        reward = reward_function(config.algorithm.rewards, config.algorithm.reward_weights, toy_task(config))
+        row_source(config, reward)
+        episode_env(config, reward)
+    except RewardError as exc:
+        parser.error(f"algorithm.rewards: {exc}")
+    except cfgmod.ConfigError as exc:
+        parser.error(str(exc))
     backend = args.rdzv_backend
     if backend == "auto":
         backend = "elasticrl" if plugin_available() else "c10d"
     elif backend == "elasticrl" and not plugin_available():
         parser.error("--rdzv-backend=elasticrl: the elasticrl.rendezvous plugin is not installed; use c10d")
-    stamp = time.strftime("demo-%Y%m%d-%H%M%S")
+    run_id = config.run.run_id or run_id_for(args.config)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     # torch warns at import when numpy is absent; nothing here needs numpy.
     env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy"]))
     # One run id per invocation: a rerun in the same --out reuses the coordinator's durable state,
     # where the previous run keeps its own --nnodes; the checkpoints carry over all the same.
-    demo = Demo(args, run_dir=args.out or os.path.join("runs", stamp), run_id=stamp, backend=backend, env=env)
+    run_dir = args.out or config.run.run_dir or os.path.join("runs", run_id)
+    demo = Demo(args, run_dir=run_dir, run_id=run_id, backend=backend, env=env)
     os.makedirs(demo.logs, exist_ok=True)
     started = time.monotonic()
 
@@ -400,7 +421,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         fell_back = args.rdzv_backend == "auto" and backend == "c10d"
         note = "  (the elasticrl plugin is not installed; using torchrun's own)" if fell_back else ""
         print(
-            f"elasticrl: {args.nodes} node(s) train a {config.model.kind} policy on task {args.task} with "
+            f"elasticrl: {args.nodes} node(s) train a {config.model.kind} policy on {workload_name(config)} with "
             f"{config.algorithm.loss} ({args.iterations} iterations, {config.trainer.strategy}, engine {config.engine_name})"
         )
         print(f"  config       {args.config}")
@@ -466,10 +487,11 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
         last = records[-1]["iteration"] if records else 0
         print(f"elasticrl demo: training failed after {last}/{iterations} iterations ({wall_s:.0f}s)", file=sys.stderr)
         return 1
-    head, tail = records[: min(3, len(records))], records[-min(3, len(records)):]
+    k = 5 if len(records) >= 20 else min(3, len(records))
+    head, tail = records[:k], records[-k:]
 
-    def mean(rs, key):
-        return sum(r[key] for r in rs) / len(rs)
+    def mean(rs, key, default=0.0):
+        return sum(r.get(key, default) for r in rs) / len(rs)
 
     worlds = " -> ".join(str(w) for w in dict.fromkeys(r["world_size"] for r in records))
     print()
@@ -478,7 +500,12 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
         f"  reward       {mean(head, 'reward_mean'):.3f} -> {mean(tail, 'reward_mean'):.3f}"
         f"  (mean of the first / last {len(tail)} iterations)"
     )
-    print(f"  exact match  {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples")
+    print(f"  reward = 1   {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples (exact match, solved)")
+    if any(r.get("turns_mean", 1.0) > 1 for r in records):
+        print(f"  solved       {1 - mean(head, 'truncated_fraction'):.0%} -> {1 - mean(tail, 'truncated_fraction'):.0%} of episodes"
+              " (the env terminated them; the rest ran out of turns or context)")
+        print(f"  turns        {mean(head, 'turns_mean', 1.0):.2f} -> {mean(tail, 'turns_mean', 1.0):.2f} per episode"
+              f"  ({sum(r.get('env_errors', 0) for r in records)} env errors)")
     if checkpoint:
         print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
     else:

@@ -110,3 +110,15 @@ def client(coordinator):
 
     with CoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=10) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _elasticrl_environment():
+    """Restore the ``ELASTICRL_*`` environment after each test: a rendezvous handler built in
+    process exports the coordinator's address, token file and CA for the workers its agent would
+    start (as a real torchrun agent does), which must not leak into later tests' subprocesses."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ELASTICRL_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("ELASTICRL_") and k not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)

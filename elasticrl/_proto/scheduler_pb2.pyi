@@ -59,18 +59,26 @@ class TaskSpec(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., split: _Optional[_Union[Split, str]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("completion_ids", "logprobs", "reward", "finish_reason", "text")
+    __slots__ = ("completion_ids", "logprobs", "reward", "finish_reason", "text", "loss_mask", "turns", "env_s", "truncated")
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    ENV_S_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     completion_ids: bytes
     logprobs: bytes
     reward: float
     finish_reason: str
     text: str
-    def __init__(self, completion_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    loss_mask: bytes
+    turns: int
+    env_s: float
+    truncated: bool
+    def __init__(self, completion_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., turns: _Optional[int] = ..., env_s: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("iteration", "task_id", "samples", "policy_version", "gen_seconds", "reward_seconds", "node", "prompt_ids", "split", "metadata_json")
@@ -97,7 +105,7 @@ class TrajectoryGroup(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., task_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., gen_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ..., node: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., split: _Optional[_Union[Split, str]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class SubmitIterationRequest(_message.Message):
-    __slots__ = ("run_id", "iteration", "tasks", "policy", "deadline_ms", "min_fraction", "task_lease_ms", "backup_tasks")
+    __slots__ = ("run_id", "iteration", "tasks", "policy", "deadline_ms", "min_fraction", "task_lease_ms", "backup_tasks", "max_task_failures")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +114,7 @@ class SubmitIterationRequest(_message.Message):
     MIN_FRACTION_FIELD_NUMBER: _ClassVar[int]
     TASK_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_TASKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASK_FAILURES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     iteration: int
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
@@ -114,7 +123,8 @@ class SubmitIterationRequest(_message.Message):
     min_fraction: float
     task_lease_ms: int
     backup_tasks: int
-    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., deadline_ms: _Optional[int] = ..., min_fraction: _Optional[float] = ..., task_lease_ms: _Optional[int] = ..., backup_tasks: _Optional[int] = ...) -> None: ...
+    max_task_failures: int
+    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., deadline_ms: _Optional[int] = ..., min_fraction: _Optional[float] = ..., task_lease_ms: _Optional[int] = ..., backup_tasks: _Optional[int] = ..., max_task_failures: _Optional[int] = ...) -> None: ...
 
 class SubmitIterationResponse(_message.Message):
     __slots__ = ("created", "num_tasks")
@@ -143,14 +153,18 @@ class ResultBatch(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
 
 class ReleaseTasks(_message.Message):
-    __slots__ = ("iteration", "task_ids", "reason")
+    __slots__ = ("iteration", "task_ids", "reason", "failed", "env_errors")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ENV_ERRORS_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     task_ids: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, iteration: _Optional[int] = ..., task_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    failed: bool
+    env_errors: int
+    def __init__(self, iteration: _Optional[int] = ..., task_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., failed: _Optional[bool] = ..., env_errors: _Optional[int] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("hello", "results", "release")
@@ -239,7 +253,7 @@ class NodeCounts(_message.Message):
     def __init__(self, node: _Optional[str] = ..., assigned: _Optional[int] = ..., done: _Optional[int] = ..., running: _Optional[int] = ..., refused: _Optional[int] = ..., tokens: _Optional[int] = ..., tasks_per_s: _Optional[float] = ..., slots: _Optional[int] = ..., evicted: _Optional[bool] = ...) -> None: ...
 
 class IterationManifest(_message.Message):
-    __slots__ = ("run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued", "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed", "backups_issued", "nodes", "evicted", "elapsed_s", "tokens", "policy", "sealed_ago_s")
+    __slots__ = ("run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued", "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed", "backups_issued", "nodes", "evicted", "elapsed_s", "tokens", "policy", "sealed_ago_s", "tasks_failed", "env_errors", "errors")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +273,9 @@ class IterationManifest(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SEALED_AGO_S_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    ENV_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     iteration: int
     sealed: bool
@@ -278,7 +295,10 @@ class IterationManifest(_message.Message):
     tokens: int
     policy: SchedulePolicy
     sealed_ago_s: float
-    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., sealed: _Optional[bool] = ..., seal_reason: _Optional[str] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., requeued: _Optional[int] = ..., refused_duplicate: _Optional[int] = ..., refused_fenced: _Optional[int] = ..., refused_sealed: _Optional[int] = ..., backups_issued: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeCounts, _Mapping]]] = ..., evicted: _Optional[_Iterable[str]] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., sealed_ago_s: _Optional[float] = ...) -> None: ...
+    tasks_failed: int
+    env_errors: int
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., sealed: _Optional[bool] = ..., seal_reason: _Optional[str] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., requeued: _Optional[int] = ..., refused_duplicate: _Optional[int] = ..., refused_fenced: _Optional[int] = ..., refused_sealed: _Optional[int] = ..., backups_issued: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeCounts, _Mapping]]] = ..., evicted: _Optional[_Iterable[str]] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., sealed_ago_s: _Optional[float] = ..., tasks_failed: _Optional[int] = ..., env_errors: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WaitSealedRequest(_message.Message):
     __slots__ = ("run_id", "iteration", "wait_ms")

@@ -301,7 +301,7 @@ class Metrics(Registry):
         self.iteration = self.gauge("elasticrl_scheduler_iteration", "Newest submitted iteration of each run.", ("run",))
         self.tasks = self.gauge(
             "elasticrl_scheduler_tasks",
-            "Tasks of each run's newest iteration by state: queued, running, done, dropped.",
+            "Tasks of each run's newest iteration by state: queued, running, done, dropped, failed.",
             ("run", "state"),
         )
         self.workers = self.gauge(
@@ -319,6 +319,11 @@ class Metrics(Registry):
             "elasticrl_scheduler_results_refused_total",
             "Task results refused, by reason: duplicate, fenced, sealed or unknown (no such task).",
             ("run", "reason"),
+        )
+        self.env_errors = self.counter(
+            "elasticrl_scheduler_env_errors_total",
+            "Episodes whose environment raised or passed its step deadline (their group is retried or given up).",
+            ("run",),
         )
         self.trajectory_bytes = self.counter(
             "elasticrl_scheduler_trajectory_bytes_total",
@@ -365,7 +370,7 @@ class Metrics(Registry):
                 continue
             self.iteration.set(it.iteration, run=run_id)
             states = collections.Counter(t.status.value for t in it.tasks.values())
-            for state in ("queued", "running", "done", "dropped"):
+            for state in ("queued", "running", "done", "dropped", "failed"):
                 self.tasks.set(states.get(state, 0), run=run_id, state=state)
 
 

@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from elasticrl.config import COORDINATOR_ENV, TLS_CA_ENV, TOKEN_FILE_ENV
 from elasticrl.coordinator import policy
 from elasticrl.coordinator.client import CoordinatorClient, Membership, RunView, resolve_token
 from elasticrl.errors import (
@@ -110,6 +111,17 @@ class RunViewCache:
         self._stop.set()
 
 
+def export_to_workers(config: RendezvousConfig, environ=os.environ) -> None:
+    """Hand the coordinator's address, token file and CA to the workers this agent starts (they
+    inherit its environment), so ``-m elasticrl.node`` needs no second copy of them. What the
+    user exported already wins."""
+    environ.setdefault(COORDINATOR_ENV, config.endpoint)
+    if config.token_file:
+        environ.setdefault(TOKEN_FILE_ENV, os.path.abspath(config.token_file))
+    if config.tls_ca:
+        environ.setdefault(TLS_CA_ENV, os.path.abspath(config.tls_ca))
+
+
 class ElasticRLRendezvousHandler(RendezvousHandler):
     """A torchrun agent's view of the run's rendezvous rounds, all decided by the coordinator."""
 
@@ -138,7 +150,9 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
-        return cls(RendezvousConfig.from_params(params))
+        config = RendezvousConfig.from_params(params)
+        export_to_workers(config)
+        return cls(config)
 
     # -- identity ----------------------------------------------------------------------------
 

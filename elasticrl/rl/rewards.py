@@ -1,10 +1,12 @@
 """Reward functions that score a completion, and how a run names them in its config.
 
-A reward function is ``fn(prompt: str, completion: str, target: str) -> float``: the prompt the
-policy saw, the decoded completion (up to EOS) and the example's target. A config names one by a
-spec string, resolved by ``load_reward``:
+A reward function is ``fn(prompt: str, completion: str, **row) -> float``: the prompt the policy
+saw, the decoded completion (up to EOS), and the task's dataset row as keyword arguments (every
+field but the prompt; a function takes the fields it names, or all of them with ``**kwargs``).
+The older form ``fn(prompt, completion, target)`` is the same thing for rows with a ``target``
+field, which the toy tasks have. A config names one by a spec string, resolved by ``load_reward``:
 
-* a name in ``REWARDS`` (``exact_match``, ``positional``, ``format``);
+* a name in ``REWARDS`` (``exact_match``, ``positional``, ``format``: they read ``target``);
 * ``"package.module:function"``, imported with importlib;
 * ``"path/to/file.py:function"``, loaded from that file (relative to the current directory), so a
   user's reward needs no package and no install.
@@ -20,22 +22,21 @@ rollout side can score without loading a model backend.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from elasticrl.errors import ElasticRLError
+from elasticrl.plugins import SPEC_FORMS, load_object
 from elasticrl.rl.tasks import positional_match
 
-RewardFn = Callable[[str, str, str], float]
-"""``fn(prompt, completion, target) -> float``."""
+RewardFn = Callable[..., float]
+"""``fn(prompt, completion, **row) -> float`` (``fn(prompt, completion, target)`` is one)."""
+RESERVED_FIELDS = ("prompt", "completion")
+"""Row fields never passed as keyword arguments (the prompt is the first argument already)."""
 
 _DIGITS = re.compile(r"[0-9]+")
 
@@ -86,16 +87,72 @@ class RewardFunction:
     name: str
     """The spec it was loaded from (``"exact_match"``, ``"my_pkg.rewards:score"``, ...)."""
     fn: RewardFn
-    """The function itself, ``fn(prompt, completion, target) -> float``."""
+    """The function itself, ``fn(prompt, completion, **row) -> float``."""
+    takes_all: bool = dataclasses.field(init=False)
+    """It has ``**kwargs``: every row field is passed."""
+    named: tuple[str, ...] = dataclasses.field(init=False)
+    """Row fields it takes by name (its parameters after the first two)."""
+    required: tuple[str, ...] = dataclasses.field(init=False)
+    """Those of ``named`` without a default: a row must have them."""
+    legacy: str = dataclasses.field(init=False)
+    """The third parameter of a ``fn(prompt, completion, target)``-shaped function whatever its
+    name: it gets the row's ``target`` when the row has no field of its own name."""
 
-    def __call__(self, prompt: str, completion: str, target: str) -> float:
-        """The score as a finite float.
+    def __post_init__(self) -> None:
+        takes_all, named, required, legacy = True, (), (), ""
+        try:
+            params = list(inspect.signature(self.fn).parameters.values())
+        except (TypeError, ValueError):
+            params = None  # no introspectable signature: pass every field
+        if params is not None:
+            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
+            takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+            named = tuple(p.name for p in rest)
+            required = tuple(p.name for p in rest if p.default is p.empty)
+            if len(params) == 3 and len(positional) == 3:
+                legacy = positional[2].name
+        object.__setattr__(self, "takes_all", takes_all)
+        object.__setattr__(self, "named", named)
+        object.__setattr__(self, "required", required)
+        object.__setattr__(self, "legacy", legacy)
+
+    def _arguments(self, row: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """(keyword arguments from ``row``, required parameters the row cannot fill)."""
+        fields = {k: v for k, v in row.items() if k not in RESERVED_FIELDS and (self.takes_all or k in self.named)}
+        if self.legacy and self.legacy not in fields and "target" in row:
+            fields[self.legacy] = row["target"]
+        return fields, [f for f in self.required if f not in fields]
+
+    def check_fields(self, fields: Iterable[str], where: str) -> None:
+        """Refuse at start-up a function that needs a row field ``where`` (a file) lacks.
 
         Raises:
-            RewardError: the function raised, or returned something that is not a finite real number.
+            RewardError: a required parameter is not one of ``fields``.
         """
+        have = set(fields) - set(RESERVED_FIELDS)
+        _, missing = self._arguments(dict.fromkeys(have))
+        if missing:
+            raise RewardError(
+                f"reward {self.name!r} takes {', '.join(repr(m) for m in missing)}, but the rows of {where} have no such "
+                f"field (they have: {', '.join(sorted(have)) or 'none'}); give it a default or add the column"
+            )
+
+    def score(self, prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+        """The score of ``completion`` for the task ``row``, as a finite float.
+
+        Raises:
+            RewardError: the function raised, needs a field the row lacks, or returned something
+                that is not a finite real number.
+        """
+        fields, missing = self._arguments(row)
+        if missing:
+            raise RewardError(
+                f"reward {self.name!r} takes {', '.join(repr(m) for m in missing)} but the task's row has no such field "
+                f"(it has: {', '.join(sorted(row)) or 'none'}; prompt {_short(prompt)})"
+            )
         try:
-            value = self.fn(prompt, completion, target)
+            value = self.fn(prompt, completion, **fields)
         except RewardError:
             raise  # a component of a combined reward already named itself
         except Exception as e:
@@ -110,44 +167,14 @@ class RewardFunction:
             raise RewardError(f"reward {self.name!r} returned {score}, not a finite number (prompt {_short(prompt)})")
         return score
 
+    def __call__(self, prompt: str, completion: str, target: str = "", **row: Any) -> float:
+        """``score`` with the row given as ``target`` and keyword arguments (the 3-argument form)."""
+        return self.score(prompt, completion, {"target": target, **row})
+
 
 def reward_names() -> list[str]:
     """Registered reward names, sorted."""
     return sorted(REWARDS)
-
-
-def _module_from_file(spec: str, file_part: str) -> object:
-    path = Path(file_part).expanduser()
-    resolved = path.resolve()  # relative paths are taken from the current directory
-    if not resolved.is_file():
-        raise RewardError(f"reward {spec!r}: file {file_part!r} does not exist (looked at {resolved})")
-    # A name derived from the full path: two reward files called rewards.py do not collide.
-    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    module_name = f"_elasticrl_reward_{re.sub(r'[^0-9A-Za-z_]', '_', resolved.stem)}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward {spec!r}: {resolved} cannot be loaded as a Python module (does it end in .py?)")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and typing resolve a class's module through sys.modules
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise RewardError(f"reward {spec!r}: running {resolved} failed with {type(e).__name__}: {e}") from e
-    return module
-
-
-def _module_from_import(spec: str, module_part: str) -> object:
-    try:
-        return importlib.import_module(module_part)
-    except ImportError as e:
-        raise RewardError(f"reward {spec!r}: module {module_part!r} is not importable: {e}") from e
-    except Exception as e:
-        raise RewardError(f"reward {spec!r}: importing module {module_part!r} failed with {type(e).__name__}: {e}") from e
-
-
-def _is_file_part(module_part: str) -> bool:
-    return module_part.endswith(".py") or "/" in module_part or "\\" in module_part
 
 
 def load_reward(spec: str) -> RewardFunction:
@@ -157,38 +184,31 @@ def load_reward(spec: str) -> RewardFunction:
     Raises:
         RewardError: unknown name (the message lists the registered ones), a module that cannot be
             imported (with the ImportError's text), a missing file, a missing attribute, or an
-            attribute that is not a function of ``(prompt, completion, target)``.
+            attribute that is not a function of ``(prompt, completion, ...)``.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise RewardError(f"reward spec {spec!r} must be a non-empty string: a name ({', '.join(reward_names())}), "
-                          "'package.module:function' or 'path/to/file.py:function'")
+        raise RewardError(f"reward spec {spec!r} must be a non-empty string: a name ({', '.join(reward_names())}), {SPEC_FORMS}")
     if spec in REWARDS:
         return RewardFunction(spec, REWARDS[spec])
     if ":" not in spec:
         raise RewardError(
-            f"reward {spec!r} is not registered; choose one of {', '.join(reward_names())}, "
-            "or name a function as 'package.module:function' or 'path/to/file.py:function'"
+            f"reward {spec!r} is not registered; choose one of {', '.join(reward_names())}, or name a function as "
+            "'package.module:function' or 'path/to/file.py:function'"
         )
-    module_part, _, attr = spec.rpartition(":")  # rpartition: a Windows drive letter keeps its colon
-    if not module_part or not attr:
-        raise RewardError(
-            f"reward {spec!r}: write 'package.module:function' or 'path/to/file.py:function' (both parts non-empty)"
-        )
-    module = _module_from_file(spec, module_part) if _is_file_part(module_part) else _module_from_import(spec, module_part)
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        hint = f"; its public callables: {', '.join(found)}" if found else ""
-        raise RewardError(f"reward {spec!r}: {module_part!r} has no attribute {attr!r}{hint}") from None
+    fn = load_object(spec, what="reward", error=RewardError)
     if not callable(fn):
-        raise RewardError(f"reward {spec!r}: {attr!r} in {module_part!r} is a {type(fn).__name__}, not callable")
+        attr = spec.rpartition(":")[2]
+        raise RewardError(f"reward {spec!r}: {attr!r} in {spec.rpartition(':')[0]!r} is a {type(fn).__name__}, not callable")
     try:
-        inspect.signature(fn).bind("", "", "")
-    except TypeError as e:
-        raise RewardError(
-            f"reward {spec!r}: {attr!r} cannot be called as fn(prompt, completion, target): {e}"
-        ) from None
+        inspect.signature(fn).bind("", "", **{})
+    except TypeError:
+        try:
+            inspect.signature(fn).bind("", "", "")  # fn(prompt, completion, target)
+        except TypeError as e:
+            raise RewardError(
+                f"reward {spec!r}: {spec.rpartition(':')[2]!r} cannot be called as fn(prompt, completion, target) "
+                f"or fn(prompt, completion, **row): {e}"
+            ) from None
     except ValueError:
         pass  # some builtins have no introspectable signature; the first call will tell
     return RewardFunction(spec, fn)
@@ -217,18 +237,24 @@ def combine_rewards(specs: Sequence[str], weights: Sequence[float] | None = None
             raise RewardError(f"weights: the weight of {spec!r} is {w!r}; it must be a finite number")
     parts = [(float(w), load_reward(spec)) for spec, w in zip(specs, weights)]
 
-    def weighted_sum(prompt: str, completion: str, target: str) -> float:
-        return sum(w * part(prompt, completion, target) for w, part in parts)
+    def weighted_sum(prompt: str, completion: str, **row: Any) -> float:
+        return sum(w * part.score(prompt, completion, row) for w, part in parts)
 
     name = " + ".join(f"{w:g}*{part.name}" for w, part in parts)
-    return RewardFunction(name, weighted_sum)
+    combined = RewardFunction(name, weighted_sum)
+    # The sum needs what any part needs (checked against a dataset's columns at start-up).
+    object.__setattr__(combined, "required", tuple(dict.fromkeys(f for _, p in parts for f in p.required)))
+    return combined
 
 
-def reward_function(specs: Sequence[str], weights: Sequence[float] | None, task) -> RewardFn:
+def reward_function(specs: Sequence[str], weights: Sequence[float] | None, task=None) -> RewardFunction | None:
     """The run's reward (``algorithm.rewards``): the weighted sum of ``specs``, or, when there are
-    none, the task's own reward (``Task.reward``)."""
+    none, the toy task's own reward (``Task.reward``); None when neither exists (an env's own
+    step rewards are then the whole return)."""
     if specs:
         return combine_rewards(list(specs), list(weights) if weights else None)
+    if task is None:
+        return None
     from elasticrl.rl.tasks import Example
 
     def task_reward(prompt: str, completion: str, target: str) -> float:

@@ -31,6 +31,9 @@ class RolloutBatch:
     completions: list[str]
     examples: list[Example]
     """[B] the example each sample answers (each prompt repeated group_size times)."""
+    episodes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Sums over the batch's episodes: "episodes", "turns", "env_s" (seconds in the env),
+    "truncated" (count); empty for locally sampled batches."""
 
 
 @torch.no_grad()

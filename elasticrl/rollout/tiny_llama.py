@@ -27,6 +27,9 @@ def write_tiny_llama(
     max_position_embeddings: int = 128,
     initializer_range: float = 0.3,
     seed: int = 0,
+    chars: str = CHARS,
+    extra_tokens: tuple[str, ...] = (),
+    chat_template: str | None = None,
 ) -> pathlib.Path:
     """Write config, random weights (safetensors, float32) and tokenizer into ``model_dir``.
 
@@ -34,6 +37,11 @@ def write_tiny_llama(
     attention depends on position and the next-token distributions are far from uniform: a
     padding or position bug then changes the logprobs visibly. vLLM's attention kernels want a head size of at least 32 (``hidden_size / num_attention_heads``);
     the defaults (head size 8) are for the CPU engine.
+
+    ``chars``: the characters that get a token each (more, e.g. newline and ``<>[]``, for the
+    bundled web and search envs' pages). ``extra_tokens``: whole-string special tokens after them
+    (``"<|im_end|>"``), matched before the characters. ``chat_template``: a Jinja chat template
+    saved with the tokenizer (for ``task.chat_template``).
     """
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -42,7 +50,9 @@ def write_tiny_llama(
     specials = [PAD, BOS, EOS, UNK]
     if vocab_size < len(specials) + 1:
         raise ValueError(f"vocab_size {vocab_size} must be at least {len(specials) + 1}")
-    tokens = (specials + list(CHARS))[:vocab_size]
+    if len(specials) + len(extra_tokens) + len(chars) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is too small for {len(chars)} characters and {len(extra_tokens)} extra tokens")
+    tokens = specials + list(extra_tokens) + list(chars)
     tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
 
@@ -51,7 +61,13 @@ def write_tiny_llama(
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per char
     tok.decoder = decoders.Fuse()  # join characters back without spaces
+    if extra_tokens:
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_tokens])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(path)
 
     config = LlamaConfig(

@@ -54,13 +54,15 @@ class SchedulerClient(CoordinatorClient):
         min_fraction: float = 1.0,
         task_lease_s: float = 0.0,
         backup_tasks: int = 0,
+        max_task_failures: int = 2,
     ) -> bool:
         """Queue an iteration's tasks; False if it was already submitted with the same tasks.
 
         ``deadline_s`` (0: none): after it, the iteration seals once ``min_fraction`` of its groups
         are done. ``task_lease_s`` (0: 600 s): a task unfinished this long after its assignment is
         requeued. ``backup_tasks``: dynamic policy only, how many backup copies of the last
-        straggling tasks idle workers may run.
+        straggling tasks idle workers may run. ``max_task_failures``: failed attempts (environment
+        errors) after which a task is given up.
         """
         try:
             pol = Policy(policy)
@@ -75,6 +77,7 @@ class SchedulerClient(CoordinatorClient):
             min_fraction=min_fraction,
             task_lease_ms=round(task_lease_s * 1000),
             backup_tasks=backup_tasks,
+            max_task_failures=max_task_failures,
         )
         return self._call("SubmitIteration", request, stub=self._sched).created
 

@@ -87,6 +87,13 @@ def group_from_pb(field: str, g: spb.TrajectoryGroup) -> tuple[int, GroupRecord]
             )
         if not math.isfinite(s.reward):
             raise InvalidRequestError(f"{field}.samples[{j}].reward: {s.reward!r} is not finite")
+        if s.loss_mask and (len(s.loss_mask) * 4 != len(s.completion_ids) or s.loss_mask.strip(b"\x00\x01")):
+            raise InvalidRequestError(
+                f"{field}.samples[{j}].loss_mask: {len(s.loss_mask)} bytes for {len(s.completion_ids) // 4} tokens; "
+                "it must be empty or one 0/1 byte per token"
+            )
+        if not math.isfinite(s.env_s) or s.env_s < 0:
+            raise InvalidRequestError(f"{field}.samples[{j}].env_s: {s.env_s!r} must be a finite number >= 0")
         samples.append(_sample_from_pb(s))
     if not samples:
         raise InvalidRequestError(f"{field}.samples: must not be empty")
@@ -107,6 +114,7 @@ def manifest_to_pb(m: dict) -> spb.IterationManifest:
     return spb.IterationManifest(
         **{k: m[k] for k in _MANIFEST_FIELDS},
         evicted=m["evicted"],
+        errors=m["errors"],
         nodes=[spb.NodeCounts(**n) for n in m["nodes"]],
         policy=POLICY_TO_PB[Policy(m["policy"])],
     )
@@ -115,7 +123,7 @@ def manifest_to_pb(m: dict) -> spb.IterationManifest:
 _MANIFEST_FIELDS = (
     "run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued",
     "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed",
-    "backups_issued", "elapsed_s", "tokens", "sealed_ago_s",
+    "backups_issued", "elapsed_s", "tokens", "sealed_ago_s", "tasks_failed", "env_errors",
 )
 _NODE_FIELDS = ("node", "assigned", "done", "running", "refused", "tokens", "tasks_per_s", "slots", "evicted")
 
@@ -124,6 +132,7 @@ def manifest_from_pb(m: spb.IterationManifest) -> dict:
     """The same dict ``SchedulerCore.manifest`` builds (and ``manifest.json`` holds)."""
     out = {k: getattr(m, k) for k in _MANIFEST_FIELDS}
     out["evicted"] = list(m.evicted)
+    out["errors"] = list(m.errors)
     out["nodes"] = [{k: getattr(n, k) for k in _NODE_FIELDS} for n in m.nodes]
     out["policy"] = POLICY_FROM_PB.get(m.policy, Policy.DYNAMIC).value
     return out
@@ -151,7 +160,8 @@ def result_to_pb(iteration: int, g: GroupRecord) -> spb.TrajectoryGroup:
         task_id=g.task_id,
         samples=[
             spb.Sample(completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
-                       finish_reason=s.finish_reason, text=s.text)
+                       finish_reason=s.finish_reason, text=s.text, loss_mask=s.loss_mask,
+                       turns=s.turns, env_s=s.env_s, truncated=s.truncated)
             for s in g.samples
         ],
         policy_version=g.policy_version,
@@ -161,4 +171,5 @@ def result_to_pb(iteration: int, g: GroupRecord) -> spb.TrajectoryGroup:
 
 
 def _sample_from_pb(s: spb.Sample) -> SampleRecord:
-    return SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text)
+    return SampleRecord(s.completion_ids, s.logprobs, s.reward, s.finish_reason, s.text, s.loss_mask,
+                        s.turns or 1, s.env_s, s.truncated)

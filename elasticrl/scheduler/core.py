@@ -30,6 +30,7 @@ from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, No
 from elasticrl.scheduler import policy
 from elasticrl.scheduler.persist import SchedulerDB
 from elasticrl.scheduler.state import (
+    MAX_ERRORS,
     RELEASE_STOPPING,
     GroupRecord,
     Holder,
@@ -286,26 +287,55 @@ class SchedulerCore:
         log.debug("run %s iteration %d: task %s requeued (%s)", it.run_id, it.iteration, task.spec.task_id, why)
         return 1
 
-    def release(self, conn: WorkerConn, iteration: int, task_ids: list[str], reason: str) -> None:
-        """The worker gives tasks back unfinished: they are queued again for anyone."""
+    def release(
+        self, conn: WorkerConn, iteration: int, task_ids: list[str], reason: str, *, failed: bool = False, env_errors: int = 0,
+    ) -> None:
+        """The worker gives tasks back unfinished: they are queued again for anyone. With
+        ``failed`` their attempt failed (an environment error): a task that failed
+        ``max_task_failures`` times is given up (FAILED) instead, and the iteration may seal
+        without it."""
         it = self.iteration(conn.run_id, iteration)
         if reason == RELEASE_STOPPING:
             conn.draining = True
+        given_up = []
         with self.db.tx():
+            if failed and not it.sealed:
+                it.counters.env_errors += env_errors
+                if reason not in it.counters.errors:
+                    it.counters.errors = [*it.counters.errors, reason][-MAX_ERRORS:]
+                self.metrics.env_errors.inc(env_errors, run=conn.run_id)
             for task_id in task_ids:
                 key = (iteration, task_id)
                 if key in conn.worker.holding:
                     conn.worker.holding.discard(key)
-                    if not it.sealed and task_id in it.tasks:
-                        self._requeue(it, it.tasks[task_id], conn.worker.member_id, f"released: {reason}")
+                    task = it.tasks.get(task_id)
+                    if it.sealed or task is None:
+                        continue
+                    if failed and task.status is TaskStatus.RUNNING:
+                        task.failures += 1
+                        task.failed_on.add(conn.worker.member_id)
+                        self.db.put_failures(it, task)
+                        if task.failures >= it.config.max_task_failures:
+                            given_up.append(task)
+                            continue
+                    self._requeue(it, task, conn.worker.member_id, f"released: {reason}")
             self.db.put_counters(it)
+        for task in given_up:
+            task.status = TaskStatus.FAILED
+            task.holders.clear()
+            self._cancel_copies(it, task.spec.task_id)
+            log.warning("run %s iteration %d: task %s failed %d time(s), given up: %s",
+                        it.run_id, it.iteration, task.spec.task_id, task.failures, reason)
+        if given_up:
+            self._maybe_seal(it)
         self._dispatch(conn.run_id, skip=conn)  # not straight back to the worker giving them up
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _dispatch(self, run_id: str, *, skip: WorkerConn | None = None) -> None:
+    def _dispatch(self, run_id: str, *, skip: WorkerConn | None = None, retry_anywhere: bool = False) -> None:
         """Hand queued tasks to workers with free slots, one task per worker per pass, so equal
-        workers start with equal work."""
+        workers start with equal work. ``retry_anywhere``: a task whose env failed on a worker may
+        go back to that worker (no other took it)."""
         self._dispatched_at[run_id] = self.clock()
         conns = [
             c for c in self.conns.get(run_id, {}).values()
@@ -324,7 +354,7 @@ class SchedulerCore:
                 if conn.worker.free <= 0:
                     continue
                 for it in open_its:
-                    picks = policy.pick_tasks(it, conn.worker, 1)
+                    picks = policy.pick_tasks(it, conn.worker, 1, retry_anywhere=retry_anywhere)
                     if picks:
                         task_id, backup = picks[0]
                         batches[id(conn)].append(self._assign(it, it.tasks[task_id], conn.worker, now, backup))
@@ -473,7 +503,7 @@ class SchedulerCore:
                     log.info("run %s iteration %d: %d task lease(s) expired; requeued", run_id, it.iteration, len(expired))
                 self._maybe_seal(it)
             if changed or (stranded and now - self._dispatched_at.get(run_id, -math.inf) >= REDISPATCH_S):
-                self._dispatch(run_id)
+                self._dispatch(run_id, retry_anywhere=stranded)
 
     def _maybe_seal(self, it: Iteration) -> None:
         seal, reason = policy.decide_seal(it, self.clock())
@@ -560,6 +590,7 @@ class SchedulerCore:
             "tasks_queued": it.count(TaskStatus.QUEUED), "tasks_running": it.count(TaskStatus.RUNNING),
             "requeued": c.requeued, "refused_duplicate": c.refused_duplicate, "refused_fenced": c.refused_fenced,
             "refused_sealed": c.refused_sealed, "backups_issued": c.backups_issued,
+            "tasks_failed": it.count(TaskStatus.FAILED), "env_errors": c.env_errors, "errors": list(c.errors),
             "nodes": nodes, "evicted": list(it.evicted), "elapsed_s": elapsed,
             "tokens": sum(n["tokens"] for n in nodes),
             "sealed_ago_s": now - it.sealed_at if it.sealed else 0.0,

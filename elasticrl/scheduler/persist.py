@@ -3,7 +3,7 @@
 They share ``StateDB``'s connection and transactions, so a change that touches membership and
 tasks together commits together. What is stored: each iteration's config, submit wall time,
 counters and seal; each task's spec, requeue count, and (once accepted) who completed it and the
-shard that holds its group. Which worker runs which task is not stored: after a restart every
+shard that holds its group; failed attempts per task. Which worker runs which task is not stored: after a restart every
 unfinished task is queued again and workers reconnect (their late results are still accepted
 once). JSON columns, no pickle.
 """
@@ -37,6 +37,9 @@ CREATE TABLE IF NOT EXISTS sched_iterations (
 CREATE TABLE IF NOT EXISTS sched_tasks (
     run_id TEXT NOT NULL, iteration INTEGER NOT NULL, task_id TEXT NOT NULL, seq INTEGER NOT NULL,
     spec TEXT NOT NULL, requeues INTEGER NOT NULL, done_by TEXT NOT NULL, shard TEXT NOT NULL,
+    PRIMARY KEY (run_id, iteration, task_id));
+CREATE TABLE IF NOT EXISTS sched_task_failures (
+    run_id TEXT NOT NULL, iteration INTEGER NOT NULL, task_id TEXT NOT NULL, failures INTEGER NOT NULL,
     PRIMARY KEY (run_id, iteration, task_id));
 """
 
@@ -84,6 +87,12 @@ class SchedulerDB:
             (task.requeues, it.run_id, it.iteration, task.spec.task_id),
         )
 
+    def put_failures(self, it: Iteration, task: Task) -> None:
+        self._conn.execute(
+            "INSERT OR REPLACE INTO sched_task_failures VALUES (?, ?, ?, ?)",
+            (it.run_id, it.iteration, task.spec.task_id, task.failures),
+        )
+
     def put_seal(self, it: Iteration, elapsed_s: float) -> None:
         self._conn.execute(
             "UPDATE sched_iterations SET sealed=1, seal_reason=?, elapsed_s=?, counters=? WHERE run_id=? AND iteration=?",
@@ -98,6 +107,10 @@ class SchedulerDB:
             "SELECT run_id, iteration, task_id, seq, spec, requeues, done_by, shard FROM sched_tasks ORDER BY seq"
         ):
             tasks[(row[0], row[1])].append(row[2:])
+        failures = {
+            (run_id, iteration, task_id): n
+            for run_id, iteration, task_id, n in self._conn.execute("SELECT * FROM sched_task_failures")
+        }
         out = []
         for run_id, iteration, config, submitted_unix, counters, sealed, seal_reason, elapsed_s in self._conn.execute(
             "SELECT * FROM sched_iterations ORDER BY run_id, iteration"
@@ -112,10 +125,13 @@ class SchedulerDB:
             )
             _counters_from(it, json.loads(counters))
             for task_id, seq, spec, requeues, done_by, shard in tasks[(run_id, iteration)]:
-                task = Task(spec=_spec_from(json.loads(spec)), seq=seq, requeues=requeues, done_by=done_by)
+                task = Task(spec=_spec_from(json.loads(spec)), seq=seq, requeues=requeues, done_by=done_by,
+                            failures=failures.get((run_id, iteration, task_id), 0))
                 if done_by:
                     task.status = TaskStatus.DONE
                     it.shard_of[task_id] = shard
+                elif task.failures >= it.config.max_task_failures:
+                    task.status = TaskStatus.FAILED
                 elif sealed:
                     task.status = TaskStatus.DROPPED
                 else:

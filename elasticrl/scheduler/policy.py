@@ -40,12 +40,14 @@ def static_shares(task_ids: list[str], weights: dict[str, float]) -> dict[str, l
     return shares
 
 
-def pick_tasks(it: Iteration, worker: Worker, free: int) -> list[tuple[str, bool]]:
+def pick_tasks(it: Iteration, worker: Worker, free: int, *, retry_anywhere: bool = False) -> list[tuple[str, bool]]:
     """Up to ``free`` tasks of ``it`` for ``worker``: [(task id, is_backup)], without mutating.
 
     Static: the worker's own share first, then requeued tasks anyone may take. Dynamic: the shared
     queue in order; once it is empty, up to ``backup_tasks`` backup copies of the longest-running
-    tasks that only one other worker holds (the first copy to finish wins).
+    tasks that only one other worker holds (the first copy to finish wins). A task whose env
+    failed on this worker is retried elsewhere: it is skipped here unless ``retry_anywhere`` (it
+    waited in the queue for another worker long enough).
     """
     if it.sealed or free <= 0:
         return []
@@ -61,7 +63,8 @@ def pick_tasks(it: Iteration, worker: Worker, free: int) -> list[tuple[str, bool
             task = it.tasks[task_id]
             # Still in ``holding``: its task lease expired, but the worker still runs that copy.
             if (task.status is TaskStatus.QUEUED and worker.member_id not in task.holders
-                    and (it.iteration, task_id) not in worker.holding):
+                    and (it.iteration, task_id) not in worker.holding
+                    and (retry_anywhere or worker.member_id not in task.failed_on)):
                 picked.append((task_id, False))
     budget = it.config.backup_tasks - it.counters.backups_issued
     if it.config.policy is Policy.DYNAMIC and budget > 0 and len(picked) < free and not _queued_left(it, picked):
@@ -92,13 +95,17 @@ def expired_holders(it: Iteration, now: float) -> list[tuple[str, str]]:
 
 
 def decide_seal(it: Iteration, now: float) -> tuple[bool, str]:
-    """Seal when every task is done, or once the deadline passed with ``min_fraction`` done."""
+    """Seal when every task is done or given up (FAILED), or once the deadline passed with
+    ``min_fraction`` done. Whether too many failed is the trainer's call (it sees the manifest)."""
     if it.sealed:
         return False, "already sealed"
     total = len(it.tasks)
     done = it.count(TaskStatus.DONE)
     if done >= total:
         return True, f"all {total} tasks done"
+    failed = it.count(TaskStatus.FAILED)
+    if done + failed >= total:  # nothing more can come: every task is done or given up
+        return True, f"all tasks finished: {done}/{total} done, {failed} failed"
     deadline = it.deadline
     if deadline is None:
         return False, f"{done}/{total} done, no deadline"

@@ -39,6 +39,8 @@ MAX_TASKS = 100_000
 MAX_SLOTS = 4096
 DEFAULT_FETCH_MESSAGE_BYTES = 4 << 20
 HELLO_TIMEOUT_S = 30.0
+MAX_ENV_ERRORS = 1 << 20  # per release message: a metric, clamped so a bad client cannot skew it wildly
+MAX_TASK_FAILURES = 100
 MAX_WEIGHTS_WAIT_S = 60.0
 # Chunks this large are copied and hashed in a worker thread, off the event loop.
 THREADED_CHUNK_BYTES = 1 << 20
@@ -90,7 +92,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             min_fraction=frac,
             task_lease_s=v.duration_ms("task_lease_ms", request.task_lease_ms) or 600.0,
             backup_tasks=request.backup_tasks,
+            max_task_failures=request.max_task_failures or 2,
         )
+        if config.max_task_failures > MAX_TASK_FAILURES:
+            raise InvalidRequestError(f"max_task_failures: {request.max_task_failures} must be in 1..{MAX_TASK_FAILURES} (0 means 2)")
         created = self.core.submit(run_id, request.iteration, specs, config)
         return spb.SubmitIterationResponse(created=created, num_tasks=len(specs))
 
@@ -244,7 +249,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                         conn.send(End(end))
                 elif kind == "release":
                     r = request.release
-                    self.core.release(conn, r.iteration, list(r.task_ids), v.text("release.reason", r.reason, v.MAX_REASON_LEN))
+                    self.core.release(
+                        conn, r.iteration, list(r.task_ids), v.text("release.reason", r.reason, v.MAX_REASON_LEN),
+                        failed=r.failed, env_errors=min(r.env_errors, MAX_ENV_ERRORS),
+                    )
                 else:
                     raise InvalidRequestError(f"kind: {kind or 'nothing'} is not allowed after the hello (send results or release)")
             conn.send(End())

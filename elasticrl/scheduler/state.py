@@ -16,6 +16,7 @@ import sys
 
 
 RELEASE_STOPPING = "worker stopping"
+MAX_ERRORS = 5
 """The reason a worker gives when it releases tasks because it is stopping: the scheduler hands
 it nothing more (it would only give it back)."""
 
@@ -36,6 +37,8 @@ class TaskStatus(str, enum.Enum):
     DONE = "done"
     # The iteration sealed before this task finished; it never will.
     DROPPED = "dropped"
+    # Its attempts failed ``max_task_failures`` times (the environment raised or timed out).
+    FAILED = "failed"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -62,35 +65,60 @@ class TaskSpec:
 
 @dataclasses.dataclass
 class SampleRecord:
+    """One episode (a plain completion is an episode of one turn): its tokens after the task's
+    prompt, which of them the policy produced, their logprobs, and the return."""
+
     completion_ids: bytes
-    """int32 little-endian token ids."""
+    """int32 little-endian token ids: actions, and for a multi-turn episode observations too."""
     logprobs: bytes
-    """float32 little-endian, one per completion token."""
+    """float32 little-endian, one per token (the engine's on action tokens, 0 elsewhere)."""
     reward: float
+    """The episode's return (sum of its step rewards)."""
     finish_reason: str = ""
     text: str = ""
+    loss_mask: bytes = b""
+    """uint8 per token, 1 = the policy's token (trained); empty = all 1."""
+    turns: int = 1
+    env_s: float = 0.0
+    truncated: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.completion_ids) // 4
 
+    @property
+    def num_trained_tokens(self) -> int:
+        return self.num_tokens if not self.loss_mask else self.loss_mask.count(1)
+
     @staticmethod
-    def pack(completion_ids, logprobs, reward: float, finish_reason: str = "", text: str = "") -> "SampleRecord":
-        """From sequences of ints and floats (lists, arrays, tensors' ``.tolist()``)."""
+    def pack(
+        completion_ids, logprobs, reward: float, finish_reason: str = "", text: str = "", *,
+        loss_mask=None, turns: int = 1, env_s: float = 0.0, truncated: bool = False,
+    ) -> "SampleRecord":
+        """From sequences of ints and floats (lists, arrays, tensors' ``.tolist()``); ``loss_mask``
+        None or all ones is stored empty (a plain completion)."""
         ids = array.array("i", completion_ids)
         lps = array.array("f", logprobs)
         if len(ids) != len(lps):
             raise ValueError(f"completion_ids has {len(ids)} tokens but logprobs has {len(lps)} values")
+        mask = b"" if loss_mask is None else bytes(bytearray(loss_mask))
+        if mask and len(mask) != len(ids):
+            raise ValueError(f"loss_mask has {len(mask)} values for {len(ids)} tokens")
+        if mask.count(1) == len(mask):
+            mask = b""
         if sys.byteorder != "little":
             ids.byteswap()
             lps.byteswap()
-        return SampleRecord(ids.tobytes(), lps.tobytes(), float(reward), finish_reason, text)
+        return SampleRecord(ids.tobytes(), lps.tobytes(), float(reward), finish_reason, text, mask, int(turns), float(env_s), bool(truncated))
 
     def token_ids(self) -> list[int]:
         return _unpack("i", self.completion_ids)
 
     def logprob_list(self) -> list[float]:
         return _unpack("f", self.logprobs)
+
+    def mask_list(self) -> list[int]:
+        return list(self.loss_mask) if self.loss_mask else [1] * self.num_tokens
 
 
 def _unpack(code: str, data: bytes) -> list:
@@ -118,7 +146,18 @@ class GroupRecord:
 
     @property
     def num_bytes(self) -> int:
-        return sum(len(s.completion_ids) + len(s.logprobs) + len(s.text) for s in self.samples)
+        return sum(len(s.completion_ids) + len(s.logprobs) + len(s.loss_mask) + len(s.text) for s in self.samples)
+
+
+@dataclasses.dataclass
+class TaskFailure:
+    """What an engine returns in place of a group whose episodes failed (an environment raised or
+    passed its deadline): the worker reports it, the scheduler retries the task elsewhere or, after
+    ``max_task_failures`` failures, gives it up."""
+
+    task_id: str
+    reason: str
+    env_errors: int = 1
 
 
 @dataclasses.dataclass
@@ -161,6 +200,10 @@ class Task:
     holders: dict[str, Holder] = dataclasses.field(default_factory=dict)
     requeues: int = 0
     done_by: str = ""
+    failures: int = 0
+    """Failed attempts (environment errors); at ``max_task_failures`` the task is FAILED."""
+    failed_on: set[str] = dataclasses.field(default_factory=set)
+    """Workers an attempt failed on: a retry goes elsewhere while another worker can take it."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -171,6 +214,8 @@ class IterationConfig:
     min_fraction: float = 1.0
     task_lease_s: float = 600.0
     backup_tasks: int = 0
+    max_task_failures: int = 2
+    """Failed attempts after which a task is given up (2: one retry on another engine)."""
 
 
 @dataclasses.dataclass
@@ -191,6 +236,10 @@ class Counters:
     refused_fenced: int = 0
     refused_sealed: int = 0
     backups_issued: int = 0
+    env_errors: int = 0
+    """Episodes whose environment failed, over every attempt."""
+    errors: list[str] = dataclasses.field(default_factory=list)
+    """Distinct reasons of failed attempts, newest last (at most ``MAX_ERRORS``)."""
 
 
 @dataclasses.dataclass

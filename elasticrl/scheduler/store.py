@@ -10,15 +10,22 @@ A sealed iteration also gets ``manifest.json``. Layout::
 
 A shard is self-describing (no pickle): flat tensors plus a JSON header.
 
-    completion_ids int32 [T]   every sample's completion tokens, back to back
-    logprobs       float32 [T] the sampling policy's logprob of each of them
-    sample_tokens  int32 [S]   completion length of each sample
-    rewards        float32 [S]
+    completion_ids int32 [T]   every sample's (episode's) tokens, back to back
+    logprobs       float32 [T] the sampling policy's logprob of each of them (0 off the loss mask)
+    loss_mask      uint8 [T]   1 on the policy's own tokens (trained), 0 on observations/templates
+    sample_tokens  int32 [S]   token count of each sample
+    rewards        float32 [S] each episode's return
+    turns          int32 [S]   policy turns of each episode
+    env_s          float32 [S] seconds each episode spent in its environment
+    truncated      uint8 [S]   1 when the episode was cut short
     group_samples  int32 [G]   samples per group
     prompt_ids     int32 [P]   every group's prompt, back to back
     prompt_lengths int32 [G]
     metadata "groups": JSON list of {task_id, node, policy_version, gen_seconds, reward_seconds,
                        finish_reasons, texts}
+
+Format v1 shards (before multi-turn episodes) have no loss_mask/turns/env_s/truncated and read as
+single-turn completions trained on every token.
 
 Without a state dir (``root=None``) the records themselves are kept in memory (no encoding): same
 interface, not durable, and ``forget`` drops an old iteration's.
@@ -35,7 +42,7 @@ from safetensors.numpy import load as st_load
 
 from elasticrl.scheduler.state import GroupRecord, SampleRecord
 
-FORMAT = "elasticrl.trajectories.v1"
+FORMAT = "elasticrl.trajectories.v2"
 MANIFEST = "manifest.json"
 
 
@@ -111,7 +118,8 @@ def _atomic_write(path: pathlib.Path, data: bytes | list, *, fsync: bool) -> Non
     os.replace(tmp, path)
 
 
-_DTYPES = {"<i4": "I32", "<f4": "F32"}
+_DTYPES = {"<i4": "I32", "<f4": "F32", "|u1": "U8"}
+_ITEMSIZE = {"I32": 4, "F32": 4, "U8": 1}
 
 
 def shard_chunks(run_id: str, iteration: int, groups: list[tuple[GroupRecord, list[int]]]) -> list:
@@ -126,6 +134,9 @@ def shard_chunks(run_id: str, iteration: int, groups: list[tuple[GroupRecord, li
     small = {
         "sample_tokens": np.array([s.num_tokens for s in samples], dtype="<i4"),
         "rewards": np.array([s.reward for s in samples], dtype="<f4"),
+        "turns": np.array([s.turns for s in samples], dtype="<i4"),
+        "env_s": np.array([s.env_s for s in samples], dtype="<f4"),
+        "truncated": np.array([s.truncated for s in samples], dtype="u1"),
         "group_samples": np.array([len(g.samples) for g, _ in groups], dtype="<i4"),
         "prompt_ids": np.array([t for _, p in groups for t in p], dtype="<i4"),
         "prompt_lengths": np.array([len(p) for _, p in groups], dtype="<i4"),
@@ -133,6 +144,7 @@ def shard_chunks(run_id: str, iteration: int, groups: list[tuple[GroupRecord, li
     tensors = [
         ("completion_ids", "I32", [s.completion_ids for s in samples]),
         ("logprobs", "F32", [s.logprobs for s in samples]),
+        ("loss_mask", "U8", [s.loss_mask or b"\x01" * s.num_tokens for s in samples]),
     ] + [(k, _DTYPES[v.dtype.str], [v.tobytes()]) for k, v in small.items()]
     header: dict = {"__metadata__": {
         "format": FORMAT, "run_id": run_id, "iteration": str(iteration), "groups": json.dumps(_group_header(groups)),
@@ -140,7 +152,7 @@ def shard_chunks(run_id: str, iteration: int, groups: list[tuple[GroupRecord, li
     data, offset = [], 0
     for name, dtype, buffers in tensors:
         size = sum(len(b) for b in buffers)
-        header[name] = {"dtype": dtype, "shape": [size // 4], "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": dtype, "shape": [size // _ITEMSIZE[dtype]], "data_offsets": [offset, offset + size]}
         data += buffers
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -175,17 +187,28 @@ def decode_shard(data: bytes) -> list[tuple[GroupRecord, list[int]]]:
     sample_tokens = tensors["sample_tokens"].tolist()
     rewards = tensors["rewards"].tolist()
     prompts = tensors["prompt_ids"].tolist()
+    n_samples_all = len(sample_tokens)
+    # v1 shards: single-turn completions, every token trained.
+    mask = tensors["loss_mask"] if "loss_mask" in tensors else None
+    turns = tensors["turns"].tolist() if "turns" in tensors else [1] * n_samples_all
+    env_s = tensors["env_s"].tolist() if "env_s" in tensors else [0.0] * n_samples_all
+    truncated = tensors["truncated"].tolist() if "truncated" in tensors else [0] * n_samples_all
     out, tok, smp, pr = [], 0, 0, 0
     for meta, n_samples, p_len in zip(header, tensors["group_samples"].tolist(), tensors["prompt_lengths"].tolist()):
         samples = []
         for j in range(n_samples):
             n = sample_tokens[smp]
+            sample_mask = b"" if mask is None else mask[tok:tok + n].tobytes()
             samples.append(SampleRecord(
                 completion_ids=ids[tok:tok + n].tobytes(),
                 logprobs=lps[tok:tok + n].tobytes(),
                 reward=rewards[smp],
                 finish_reason=meta["finish_reasons"][j],
                 text=meta["texts"][j],
+                loss_mask=b"" if sample_mask.count(1) == n else sample_mask,
+                turns=turns[smp],
+                env_s=env_s[smp],
+                truncated=bool(truncated[smp]),
             ))
             tok += n
             smp += 1

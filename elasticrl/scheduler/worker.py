@@ -35,7 +35,7 @@ from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.aio_session import worth_reopening
 from elasticrl.errors import CoordinatorUnavailableError, ElasticRLError, FencedError
 from elasticrl.scheduler.convert import result_to_pb, task_from_pb
-from elasticrl.scheduler.state import RELEASE_STOPPING, GroupRecord, TaskSpec
+from elasticrl.scheduler.state import RELEASE_STOPPING, GroupRecord, TaskFailure, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,10 @@ Generate = Callable[[Assignment], GroupRecord]
 """Runs one task (blocking, in a worker thread) and returns its group. ``task_id`` must match;
 ``gen_seconds`` is measured for it when left 0."""
 
-GenerateBatch = Callable[[list[Assignment]], list[GroupRecord]]
+GenerateBatch = Callable[[list[Assignment]], list[GroupRecord | TaskFailure]]
 """Runs the tasks of one assignment message together (an engine that batches prompts), returning
-their groups in the same order."""
+their groups in the same order; a ``TaskFailure`` in place of a group reports that task's attempt
+as failed (its environment raised), which the scheduler retries elsewhere or gives up."""
 
 
 @dataclasses.dataclass
@@ -329,6 +330,14 @@ class RolloutWorker:
                 continue  # cancelled meanwhile: another copy won, or the iteration sealed
             if group.task_id != a.task.task_id:
                 raise AssertionError(f"generate returned task {group.task_id!r} for {a.task.task_id!r}")
+            if isinstance(group, TaskFailure):
+                # Its environment failed: the scheduler counts the failure and retries it elsewhere.
+                self.stats.failed += 1
+                self._send(spb.WorkRequest(release=spb.ReleaseTasks(
+                    iteration=a.iteration, task_ids=[a.task.task_id], reason=group.reason[:1000], failed=True,
+                    env_errors=group.env_errors,
+                )))
+                continue
             if not group.gen_seconds:
                 group.gen_seconds = elapsed
             self.stats.completed += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -34,12 +35,13 @@ import torch.distributed as dist
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
 from elasticrl.coordinator.client import Membership, resolve_token
+from elasticrl.env import EnvError
 from elasticrl.errors import ElasticRLError, NotFoundError
 from elasticrl.rl.advantages import compute_advantages
 from elasticrl.rl.loss import policy_loss
 from elasticrl.rl.rewards import RewardError, reward_function
 from elasticrl.rl.rollout import RolloutBatch
-from elasticrl.rl.tasks import make_task
+from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
@@ -47,7 +49,7 @@ from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
 from elasticrl.train.logcontext import NODE_NAME_ENV, WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
-from elasticrl.train.model import build_engine, build_policy
+from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, iteration_tasks
 from elasticrl.train.strategy import StrategyConfig, adamw_factory, make_strategy
 from elasticrl.train.warmup import supervised_warmup
@@ -55,7 +57,6 @@ from elasticrl.train.warmup import supervised_warmup
 log = logging.getLogger(__name__)
 
 GENERATION_KEY = b"elasticrl/worker-generation"
-EVAL_SEED = "eval"
 
 
 class WorldChangedError(ElasticRLError, dist.DistError):
@@ -107,12 +108,16 @@ class NodeTrainer:
         self.logctx = logctx or WorkerLogContext(node_name(), world.rank)
         self.run_dir = config.run.run_dir
         self.ckpt_dir = config.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
-        self.task = make_task(config.task.name, config.task.num_digits)
-        self.max_new_tokens = config.rollout.max_new_tokens or self.task.max_new_tokens
+        self.task = toy_task(config)
+        self.max_new_tokens = max_new_tokens(config, self.task)
         try:
             self.reward = reward_function(config.algorithm.rewards, config.algorithm.reward_weights, self.task)
         except RewardError as exc:
             raise ConfigError(f"algorithm.rewards: {exc}") from None
+        # Every rank reads (and checks) the rows before anything starts: a bad file fails all of
+        # them alike, and each can say where the data stands in its checkpoints.
+        self.rows = row_source(config, self.reward)
+        self.runner = None
         if config.task.prompts_per_iteration < world.world_size:
             raise ConfigError(
                 f"task.prompts_per_iteration: {config.task.prompts_per_iteration} is fewer than the "
@@ -177,7 +182,7 @@ class NodeTrainer:
         self.strategy.wrap(self.parts.model, adamw_factory(lr=t.lr, weight_decay=t.weight_decay))
         self.device = self.strategy.device
         start = self._resume() if cfg.checkpoint.resume else 0
-        if start == 0 and t.warmup_steps:
+        if start == 0 and t.warmup_steps and self.task is not None:
             supervised_warmup(self.parts, self.strategy, self.task, steps=t.warmup_steps, batch_size=t.warmup_batch_size,
                               seed=cfg.run.seed, world=world, device=self.device)
         if cfg.algorithm.kl_coef > 0 and self.reference is None:
@@ -199,14 +204,15 @@ class NodeTrainer:
             n = sum(p.numel() for p in self.strategy.unwrap().parameters())
             log.info(
                 "policy %s: %d parameters; strategy %s; engine %s; task %s; run dir %s",
-                cfg.model.kind, n, t.strategy, cfg.engine_name, self.task.name, self.run_dir,
+                cfg.model.kind, n, t.strategy, cfg.engine_name, workload_name(cfg), self.run_dir,
             )
         return start + 1
 
     def _start_engine_worker(self, token: str | None) -> None:
         cfg, c = self.cfg, self.cfg.coordinator
+        self.runner = build_runner(cfg, self.parts, self.engine, lock=self.engine_lock, reward=self.reward)
         self.rollout = EngineWorker(
-            self.engine, decode=self.parts.decode, reward=self.reward, engine_lock=self.engine_lock, gate=self.gate,
+            self.runner, gate=self.gate, transcript_with_prompt=bool(cfg.env.name),
             address=c.address, run_id=rollout_run(cfg.run.run_id), member_id=engine_member_id(self.world.local_rank),
             slots=cfg.rollout.slots, token=token, tls_ca=c.tls_ca or None,
             call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
@@ -240,6 +246,7 @@ class NodeTrainer:
         opt_tensors = broadcast_tensors(loaded.optimizer_tensors if loaded else None, src)
         self.strategy.load_full_model_state_dict(weights)
         self.strategy.load_full_optimizer_state_dict(ckpt.unflatten_optimizer(opt_tensors, meta["optimizer"]))
+        self.rows.resume(newest, meta.get("data_position", {}))
         if self.cfg.algorithm.kl_coef > 0:
             has_ref = broadcast_json(loaded.reference is not None if loaded else None, src)
             if has_ref:
@@ -310,16 +317,17 @@ class NodeTrainer:
             temperature=cfg.rollout.temperature, policy_version=policy_version,
             weights_version=weights_version(self.generation, policy_version),
         )
-        # Prompts depend only on (seed, iteration): every world size trains on the same data.
-        examples = self.task.sample(random.Random(f"{cfg.run.seed}/{iteration}"), cfg.task.prompts_per_iteration)
-        tasks = iteration_tasks(examples, self.parts.encode_prompt, **common)
-        if self._is_eval(iteration):  # held-out prompts, the same ones at every evaluation
-            held_out = self.task.sample(random.Random(f"{cfg.run.seed}/{EVAL_SEED}"), cfg.task.eval_prompts)
-            tasks += iteration_tasks(held_out, self.parts.encode_prompt, split="eval", **common)
+        # Rows depend only on (seed, iteration, data position): every world size trains on the same data.
+        tasks = iteration_tasks(self.rows.train_rows(iteration, cfg.task.prompts_per_iteration), **common)
+        if self._is_eval(iteration):  # held-out rows, the same ones at every evaluation
+            held_out = self.rows.eval_rows(cfg.task.eval_prompts)
+            if held_out:
+                tasks += iteration_tasks(held_out, split="eval", **common)
         r = cfg.rollout
         self.client.submit_iteration(
             rollout_run(cfg.run.run_id), iteration, tasks, policy=r.policy, deadline_s=r.deadline_s,
             min_fraction=r.min_fraction, task_lease_s=r.task_lease_s, backup_tasks=r.backup_tasks,
+            max_task_failures=r.max_task_failures,
         )
 
     def _presubmit(self, iteration: int) -> None:
@@ -365,6 +373,25 @@ class NodeTrainer:
                     "every sealed iteration)"
                 )
         return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check)
+
+    def _check_failures(self, iteration: int, manifest: dict) -> None:
+        """Stop the run when too many groups failed in their env: every rank sees the same
+        manifest, so all stop together, before any collective. Fewer failures than
+        ``rollout.min_fraction`` allows are dropped (logged, counted in the metrics)."""
+        failed, done, total = manifest["tasks_failed"], manifest["tasks_done"], manifest["tasks_total"]
+        if not failed:
+            return
+        need = max(1, math.ceil(self.cfg.rollout.min_fraction * total - 1e-9))
+        last = manifest["errors"][-1] if manifest["errors"] else "no reason recorded"
+        if done >= need:
+            log.warning("iteration %d: %d of %d groups failed in their env and were dropped (%d episode errors); last: %s",
+                        iteration, failed, total, manifest["env_errors"], last)
+            return
+        raise EnvError(
+            f"iteration {iteration}: {failed} of {total} groups failed in their environment ({manifest['env_errors']} episode "
+            f"errors, each group tried {self.cfg.rollout.max_task_failures} times) and only {done} completed, fewer than "
+            f"rollout.min_fraction = {self.cfg.rollout.min_fraction:g} allows; last error: {last}"
+        )
 
     def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None, world_size: int | None = None) -> RolloutBatch:
         groups = self.client.fetch_shard(
@@ -443,6 +470,7 @@ class NodeTrainer:
                 self._submit(iteration, self.version)
         lap("t_submit")
         manifest = self._rollout(iteration)
+        self._check_failures(iteration, manifest)
         lap("t_rollout")
         # The seal's share of that wait: from the coordinator's seal decision to its reply (a rank
         # that arrives after the seal waited only for its own call, hence the min).
@@ -451,9 +479,11 @@ class NodeTrainer:
         lap("t_barrier")
         batch = self._fetch(iteration)
         # Waits for every rank's fetch, so it is part of the fetch phase.
-        tokens, reward_sum, exact, samples = all_reduce_sum(
-            [float(batch.completion_mask.sum()), float(batch.rewards.sum()), float((batch.rewards == 1).sum()), len(batch.rewards)]
-        )
+        ep = batch.episodes
+        tokens, reward_sum, exact, samples, turns, env_s, truncated = all_reduce_sum([
+            float(batch.completion_mask.sum()), float(batch.rewards.sum()), float((batch.rewards == 1).sum()),
+            len(batch.rewards), ep.get("turns", 0.0), ep.get("env_s", 0.0), ep.get("truncated", 0.0),
+        ])
         lap("t_fetch")
         self._presubmit(iteration + 1)
         if samples == 0:
@@ -485,15 +515,21 @@ class NodeTrainer:
             "grad_norm": sums["grad_norm"] / updates,
             "world_size": self.world.world_size,
             "generation": self.generation,
+            "turns_mean": turns / samples,
+            "env_s_mean": env_s / samples,
+            "truncated_fraction": truncated / samples,
+            "trained_tokens": tokens,
             "groups": manifest["tasks_done"],
             "groups_total": manifest["tasks_total"],
+            "groups_failed": manifest["tasks_failed"],
+            "env_errors": manifest["env_errors"],
             "requeued": manifest["requeued"],
             "refused": manifest["refused_duplicate"] + manifest["refused_fenced"] + manifest["refused_sealed"],
             "rollout_nodes": {n["node"]: n["done"] for n in manifest["nodes"]},
             "evicted": manifest["evicted"],
             "seal_s": manifest["elapsed_s"],
             "seconds": time.monotonic() - start,
-            "example": f"{batch.examples[0].prompt}{batch.completions[0]}" if batch.examples else "",
+            "example": (f"{batch.examples[0].prompt}{batch.completions[0]}" if batch.examples else "").replace("\n", " | "),
         })
         metrics.update(t)
         return metrics
@@ -509,10 +545,10 @@ class NodeTrainer:
         meta = {
             "world_size": world.world_size,
             "generation": self.generation,
-            # Where the data and the RNGs stand: prompts are drawn from random.Random(f"{seed}/{i}")
-            # for iteration i, and the global RNGs are reseeded with iteration_seed() every
-            # iteration, so the next iteration number says it all.
-            "data_position": {"next_iteration": iteration + 1, "prompt_rng": f"{cfg.run.seed}/{iteration + 1}",
+            # Where the data and the RNGs stand: the row source's position after this iteration (a
+            # dataset's next row; toy and generated rows follow from the iteration number), and the
+            # global RNGs are reseeded with iteration_seed() every iteration.
+            "data_position": {**self.rows.position(iteration),
                               "rng": "iteration_seed(run.seed, iteration, rank), reseeded every iteration "
                                      "(the same draws when resumed in a world of the same size)"},
             "reward_mean": metrics["reward_mean"],
@@ -594,6 +630,9 @@ class NodeTrainer:
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
         for sink in self.sinks:
             sink.close()
         self.sinks = []

@@ -38,6 +38,10 @@ class PolicyParts:
     token t + 1 under ``log_softmax(logits / temperature)``."""
     vocab: object | None = None
     """The tiny model's CharVocab (its engine needs it); None for HF models."""
+    encode: Callable[[str, bool], list[int]] | None = None
+    """fn(text, bos) -> ids: observations of an episode (BOS only before the first)."""
+    tokenizer: object | None = None
+    """The HF tokenizer (chat templates); None for the tiny model."""
 
 
 def build_policy(cfg: NodeConfig) -> PolicyParts:
@@ -71,6 +75,8 @@ def build_policy(cfg: NodeConfig) -> PolicyParts:
         eos_ids=tuple(codec.eos_ids),
         logprobs=logprobs,
         vocab=getattr(codec, "vocab", None),
+        encode=lambda text, bos: codec.encode(text, bos=bos),
+        tokenizer=getattr(codec, "tokenizer", None),
     )
 
 
@@ -103,3 +109,35 @@ def build_engine(
         seed=seed, policy_version=version, enable_sleep_mode=cfg.engine.sleep_during_update,
     )
     return engine, False
+
+
+def build_runner(cfg: NodeConfig, parts: PolicyParts, engine, *, lock: threading.RLock, reward):
+    """The episode runner of this process's engine: the run's env (``[env]``, or one turn on the
+    row's prompt), observations rendered for this model (its chat template with
+    ``task.chat_template``), the turn limit and deadlines of ``[env]``.
+
+    Raises:
+        ConfigError: the env cannot be loaded, a single-turn run has no reward, or the chat template
+            is asked for and the tokenizer has none.
+    """
+    from elasticrl.rl.workload import episode_env
+    from elasticrl.rollout.episodes import EpisodeRunner, EpisodeSettings
+    from elasticrl.rollout.render import ChatRenderer, PlainRenderer
+
+    spec, final = episode_env(cfg, reward)
+    if cfg.task.chat_template:
+        try:
+            renderer = ChatRenderer(parts.tokenizer, parts.eos_ids)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    else:
+        renderer = PlainRenderer(parts.encode)
+    e = cfg.env
+    settings = EpisodeSettings(
+        max_turns=e.max_turns if e.name else 1, step_timeout_s=e.step_timeout_s,
+        episodes_in_flight=e.episodes_in_flight, max_context=e.max_context_tokens,
+    )
+    return EpisodeRunner(
+        engine, renderer, spec.make, settings, engine_lock=lock, decode=parts.decode,
+        final_reward=final.score if final is not None else None,
+    )

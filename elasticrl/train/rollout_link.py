@@ -1,15 +1,18 @@
 """Between the trainer and the coordinator's scheduler: tasks out, engines in the middle, batches back.
 
-* ``iteration_tasks``: the driver (rank 0) turns an iteration's prompts into scheduler tasks. Task
-  ids and sampling seeds depend only on (run seed, iteration, split, prompt index), so a restarted
-  worker group re-submits exactly the same tasks (a no-op) and reuses an iteration that already
-  sealed. Each task names the policy version it must be sampled with.
-* ``EngineWorker``: a ``RolloutWorker`` around any ``RolloutEngine`` (tiny, hf, vllm), on its own
-  event loop in a daemon thread. It turns assignments into ``GroupRequest`` batches, waits until
-  its engine holds the version the tasks ask for (``VersionGate``), scores the samples with the
-  reward function, and stamps every group with the engine's policy version. Trainer nodes and
-  rollout-only workers (``elasticrl rollout``) both run one; they differ only in their gate.
-* ``batch_from_groups``: a fetched shard back into the padded tensors the loss expects.
+* ``iteration_tasks``: the driver (rank 0) turns an iteration's rows into scheduler tasks, one GRPO
+  group each, the row travelling in the task's metadata. Task ids and seeds depend only on (run
+  seed, iteration, split, row index), so a restarted worker group re-submits exactly the same
+  tasks (a no-op) and reuses an iteration that already sealed. Each task names the policy version
+  it must be sampled with.
+* ``EngineWorker``: a ``RolloutWorker`` whose tasks are played by an ``EpisodeRunner`` (every
+  episode of every task this engine holds, batched turn by turn), on its own event loop in a
+  daemon thread. It waits until its engine holds the version the tasks ask for (``VersionGate``)
+  and stamps every group with that version; a group whose env failed goes back to the scheduler
+  as a failed attempt. Trainer nodes and rollout-only workers (``elasticrl rollout``) both run
+  one; they differ only in their gate.
+* ``batch_from_groups``: a fetched shard back into the padded tensors the loss expects, with each
+  episode's loss mask.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,15 +30,15 @@ from elasticrl.errors import ElasticRLError
 from elasticrl.rl.rewards import RewardError
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.tasks import Example
-from elasticrl.rollout.engine import GroupRequest, RolloutEngine, SamplingSpec
-from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, Split, TaskSpec
+from elasticrl.rl.workload import row_label
+from elasticrl.rollout.engine import SamplingSpec
+from elasticrl.rollout.episodes import EpisodeRunner, GroupOutcome, GroupTask
+from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, Split, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str, str], float]
-"""fn(prompt, completion, target) -> reward; ``rl.rewards.reward_function`` builds one that raises
-``RewardError`` (naming the function and the prompt) whenever the user's code fails."""
+MAX_METADATA_BYTES = 64 << 10  # the scheduler's limit on a task's metadata_json
 
 
 class PolicyVersionTimeout(ElasticRLError, TimeoutError):
@@ -57,29 +59,32 @@ def task_seed(seed: int, iteration: int, index: int) -> int:
 
 
 def iteration_tasks(
-    examples: list[Example], encode: Callable[[str], list[int]], *, iteration: int, seed: int, group_size: int,
-    max_new_tokens: int, temperature: float, policy_version: int, weights_version: int = 0, split: str = "train",
+    rows: list[dict], *, iteration: int, seed: int, group_size: int, max_new_tokens: int, temperature: float,
+    policy_version: int, weights_version: int = 0, split: str = "train",
 ) -> list[TaskSpec]:
-    """One task per example. ``policy_version``: the trainer's version the group must be drawn
-    from; ``weights_version``: the coordinator's version of those weights (rollout-only workers
-    fetch at least this one)."""
+    """One task per row. ``policy_version``: the trainer's version the group must be drawn from;
+    ``weights_version``: the coordinator's version of those weights (rollout-only workers fetch
+    at least this one)."""
     tag = "p" if split == "train" else "e"
     offset = 0 if split == "train" else 500_000
-    return [
-        TaskSpec(
+    tasks = []
+    for k, row in enumerate(rows):
+        metadata = json.dumps({"row": row, "policy_version": policy_version, "weights_version": weights_version})
+        if len(metadata.encode()) > MAX_METADATA_BYTES:
+            raise ValueError(
+                f"iteration {iteration}: row {k} of the {split} rows is {len(metadata.encode())} bytes as JSON; a task "
+                f"carries at most {MAX_METADATA_BYTES} (keep large fields out of the rows the env and rewards need)"
+            )
+        tasks.append(TaskSpec(
             task_id=f"i{iteration}-{tag}{k:05d}",
-            prompt_ids=encode(ex.prompt),
-            prompt_text=ex.prompt,
+            prompt_ids=[],  # the engine renders the row's prompt (or the env's first observation) itself
+            prompt_text=row_label(row) or f"row {k}",
             num_samples=group_size,
             sampling=Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=task_seed(seed, iteration, offset + k)),
             split=Split(split),
-            metadata_json=json.dumps({
-                "prompt": ex.prompt, "target": ex.target,
-                "policy_version": policy_version, "weights_version": weights_version,
-            }),
-        )
-        for k, ex in enumerate(examples)
-    ]
+            metadata_json=metadata,
+        ))
+    return tasks
 
 
 class VersionGate:
@@ -121,35 +126,56 @@ class VersionGate:
                 raise GateClosed("the engine worker is stopping")
 
 
-class EngineWorker:
-    """A ``RolloutWorker`` drawing groups with ``engine``, run on a private event loop in a thread.
+def task_row(meta: dict) -> dict:
+    """The dataset row a task's metadata carries (tasks of older versions carried prompt/target)."""
+    if "row" in meta:
+        return meta["row"]
+    return {"prompt": meta.get("prompt", ""), "target": meta.get("target", "")}
 
-    ``engine_lock`` serializes the engine between this thread (generate) and the trainer (sleep,
+
+def group_record(task_id: str, outcome: GroupOutcome, version: int, *, with_prompt: bool) -> GroupRecord:
+    """The episodes of a played group as the scheduler stores them. ``with_prompt``: the text keeps
+    the first observation (an env's transcript); otherwise it is the completion alone."""
+    samples = []
+    for e in outcome.episodes or []:
+        text = f"{e.prompt}\n{e.text}" if with_prompt else e.text
+        samples.append(SampleRecord.pack(
+            e.token_ids, e.logprobs, e.reward, finish_reason=e.finish_reason, text=text, loss_mask=e.loss_mask,
+            turns=e.turns, env_s=e.env_s, truncated=e.truncated,
+        ))
+    episodes = outcome.episodes or []
+    return GroupRecord(task_id, "", version, max((e.gen_s for e in episodes), default=0.0), sum(e.env_s for e in episodes), samples)
+
+
+class EngineWorker:
+    """A ``RolloutWorker`` playing its tasks with ``runner``, run on a private event loop in a thread.
+
+    The runner's ``engine_lock`` serializes the engine between its batches and the trainer (sleep,
     update_weights, and, when the engine shares the trainer's module, the optimizer step).
-    ``gate.wait(policy_version, weights_version, timeout_s)`` runs before each batch; ``stop``
+    ``gate.wait(policy_version, weights_version, timeout_s)`` runs before each assignment; ``stop``
     closes the gate (``gate.close()``), which wakes every batch still waiting at it.
 
-    Failures: a batch the engine fails on goes back to the queue (another engine, or this one a
-    moment later, retries it), but ``MAX_ENGINE_FAILURES`` failed batches in a row, or any error
-    of the reward function (user code: it fails the same way everywhere), stop the worker, and
-    ``check()`` raises it, so the node fails fast instead of waiting for a seal that cannot come.
+    Failures: a group whose env failed goes back to the scheduler as a failed attempt (retried
+    elsewhere, given up after ``max_task_failures``). A batch the engine fails on goes back to the
+    queue (another engine, or this one a moment later, retries it), but ``MAX_ENGINE_FAILURES``
+    failed batches in a row, or any error of the reward function (user code: it fails the same way
+    everywhere), stop the worker, and ``check()`` raises it, so the node fails fast instead of
+    waiting for a seal that cannot come.
     """
 
     def __init__(
-        self, engine: RolloutEngine, *, decode: Callable[[list[int]], str], reward: RewardFn,
-        engine_lock: threading.RLock, gate, stop_token_ids: tuple[int, ...] = (), version_timeout_s: float = 600.0,
+        self, runner: EpisodeRunner, *, gate, stop_token_ids: tuple[int, ...] = (), version_timeout_s: float = 600.0,
         address: str, run_id: str, member_id: str, slots: int, token: str | None, tls_ca: str | None,
-        call_timeout_s: float, reconnect_timeout_s: float, weight: float = 1.0,
+        call_timeout_s: float, reconnect_timeout_s: float, weight: float = 1.0, transcript_with_prompt: bool = False,
     ):
-        self.engine = engine
-        self.decode = decode
-        self.reward = reward
-        self.lock = engine_lock
+        self.runner = runner
         self.gate = gate
         self.stop_token_ids = tuple(stop_token_ids)
         self.version_timeout_s = version_timeout_s
+        self.transcript_with_prompt = transcript_with_prompt
         self.error: BaseException | None = None
         self.groups_done = 0
+        self.groups_failed = 0
         self._failures = 0  # consecutive failed batches, over all of the worker's slots
         self._failures_lock = threading.Lock()  # batches run on up to `slots` executor threads
         self.worker = RolloutWorker(
@@ -199,7 +225,7 @@ class EngineWorker:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    def _generate_batch(self, assignments: list[Assignment]) -> list[GroupRecord]:
+    def _generate_batch(self, assignments: list[Assignment]) -> list[GroupRecord | TaskFailure]:
         metas = [json.loads(a.task.metadata_json) for a in assignments]
         # Whatever the gate raises (stopping, this engine lags behind, the run closed while a
         # rollout-only worker waited for weights) gives the tasks back and says nothing about the
@@ -210,7 +236,7 @@ class EngineWorker:
             self.version_timeout_s,
         )
         try:
-            out = self._draw_and_score(assignments, metas)
+            out = self._play(assignments, metas)
         except RewardError as exc:
             self._fail(exc)
             raise
@@ -225,31 +251,29 @@ class EngineWorker:
             self._failures = 0
         return out
 
-    def _draw_and_score(self, assignments: list[Assignment], metas: list[dict]) -> list[GroupRecord]:
-        """Draw every task of one assignment message in one engine call, then score the samples."""
-        requests = []
-        for a in assignments:
+    def _play(self, assignments: list[Assignment], metas: list[dict]) -> list[GroupRecord | TaskFailure]:
+        """Play every task of one assignment message; the runner batches their episodes with those
+        of every other assignment this engine is playing."""
+        version = self.runner.engine.policy_version
+        tasks = []
+        for a, meta in zip(assignments, metas):
             s = a.task.sampling
             spec = SamplingSpec(
-                n=a.task.num_samples, temperature=s.temperature, top_p=s.top_p or 1.0,
-                max_new_tokens=s.max_new_tokens, seed=s.seed,
+                n=1, temperature=s.temperature, top_p=s.top_p or 1.0, max_new_tokens=s.max_new_tokens or 256,
                 stop_token_ids=tuple(s.stop_token_ids) + self.stop_token_ids,
             )
-            requests.append(GroupRequest(task_id=a.task.task_id, prompt_ids=list(a.task.prompt_ids), sampling=spec))
-        with self.lock:
-            groups = self.engine.generate(requests)
-        out = []
-        for a, meta, group in zip(assignments, metas, groups):
-            t0 = time.perf_counter()
-            samples = []
-            for sample in group.samples:
-                text = sample.text if sample.text is not None else self.decode(sample.completion_ids)
-                reward = self.reward(meta["prompt"], text, meta.get("target", ""))
-                samples.append(SampleRecord.pack(
-                    sample.completion_ids, sample.logprobs, reward, finish_reason=sample.finish_reason, text=text,
-                ))
-            out.append(GroupRecord(a.task.task_id, "", group.policy_version, group.gen_seconds, time.perf_counter() - t0, samples))
-        self.groups_done += len(out)
+            tasks.append(GroupTask(task_id=a.task.task_id, row=task_row(meta), episodes=a.task.num_samples, seed=s.seed,
+                                   sampling=spec, cancelled=a.cancelled))
+        out: list[GroupRecord | TaskFailure] = []
+        for a, outcome in zip(assignments, self.runner.play(tasks)):
+            if outcome.episodes is None:
+                if not outcome.cancelled:
+                    self.groups_failed += 1
+                    log.warning("task %s failed in its environment (%d episode(s)): %s", a.task.task_id, outcome.env_errors, outcome.error)
+                out.append(TaskFailure(a.task.task_id, outcome.error or "cancelled", outcome.env_errors))
+                continue
+            out.append(group_record(a.task.task_id, outcome, version, with_prompt=self.transcript_with_prompt))
+            self.groups_done += 1
         return out
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -260,9 +284,9 @@ class EngineWorker:
 
 
 def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.device) -> RolloutBatch:
-    """Rebuild ``RolloutBatch`` tensors from fetched groups: prompts left-padded to a common width,
-    completions right-padded, logprobs aligned so column t scores token t + 1 (as in
-    ``sample_groups``). Samples of a group stay contiguous."""
+    """Rebuild ``RolloutBatch`` tensors from fetched groups: prompts (if the task had any) left-padded
+    to a common width, episodes right-padded after them, logprobs and the loss mask aligned so
+    column t scores token t + 1 (as in ``sample_groups``). Samples of a group stay contiguous."""
     rows = [(g, s) for g in groups for s in g.samples]
     if not rows:
         empty = torch.zeros(0, 2, dtype=torch.long, device=device)
@@ -281,21 +305,29 @@ def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.dev
         p, k = g.prompt_ids, len(g.samples)
         tokens[r:r + k, width - len(p):width] = p
         valid[r:r + k, width - len(p):width] = True
-        meta = json.loads(g.metadata_json)
-        examples += [Example(prompt=meta["prompt"], target=meta.get("target", ""))] * k
+        row = task_row(json.loads(g.metadata_json))
+        examples += [Example(prompt=row_label(row) if "prompt" in row else "", target=str(row.get("target", "")))] * k
         r += k
-    # Completions: every sample's packed little-endian bytes joined, then scattered in one step.
+    # Episodes: every sample's packed little-endian bytes joined, then scattered in one step.
     ids = np.frombuffer(b"".join(s.completion_ids for _, s in rows), dtype="<i4")
     lps = np.frombuffer(b"".join(s.logprobs for _, s in rows), dtype="<f4")
+    trained = np.frombuffer(b"".join(s.loss_mask or b"\x01" * s.num_tokens for _, s in rows), dtype=np.uint8)
     row = np.repeat(np.arange(len(rows)), counts)
     col = width + np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
     tokens[row, col] = ids
     valid[row, col] = True
-    mask[row, col - 1] = 1.0
-    old[row, col - 1] = lps
+    # The first token of an episode without a prompt predicts nothing (it is an observation's).
+    scored = col > 0
+    mask[row[scored], col[scored] - 1] = trained[scored]
+    old[row[scored], col[scored] - 1] = lps[scored]
     completions = [s.text for _, s in rows]
     rewards = torch.tensor([s.reward for _, s in rows])
+    samples = [s for _, s in rows]
+    stats = {
+        "episodes": float(len(samples)), "turns": float(sum(s.turns for s in samples)),
+        "env_s": float(sum(s.env_s for s in samples)), "truncated": float(sum(s.truncated for s in samples)),
+    }
     return RolloutBatch(
         torch.from_numpy(tokens).to(device), torch.from_numpy(valid).to(device), torch.from_numpy(mask).to(device),
-        torch.from_numpy(old).to(device), rewards.to(device), completions, examples,
+        torch.from_numpy(old).to(device), rewards.to(device), completions, examples, stats,
     )

@@ -24,11 +24,11 @@ from elasticrl.config import NodeConfig
 from elasticrl.coordinator.client import resolve_token
 from elasticrl.errors import ElasticRLError, RunClosedError
 from elasticrl.rl.rewards import reward_function
-from elasticrl.rl.tasks import make_task
+from elasticrl.rl.workload import toy_task
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import unpack_state_dict
 from elasticrl.train.loop import rollout_run
-from elasticrl.train.model import build_engine, build_policy
+from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, GateClosed, PolicyVersionTimeout
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,11 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
             print(f"elasticrl rollout: {member_id} stopped before any weights arrived", flush=True)
             engine.close()
             return 0
-        task = make_task(cfg.task.name, cfg.task.num_digits)
+        reward = reward_function(cfg.algorithm.rewards, cfg.algorithm.reward_weights, toy_task(cfg))
+        runner = build_runner(cfg, parts, engine, lock=lock, reward=reward)
         worker = EngineWorker(
-            engine, decode=parts.decode, reward=reward_function(cfg.algorithm.rewards, cfg.algorithm.reward_weights, task),
-            engine_lock=lock, gate=gate, address=c.address, run_id=run_id, member_id=member_id,
+            runner, transcript_with_prompt=bool(cfg.env.name),
+            gate=gate, address=c.address, run_id=run_id, member_id=member_id,
             slots=slots or cfg.rollout.slots, weight=weight, token=token, tls_ca=c.tls_ca or None,
             call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
             version_timeout_s=cfg.rollout.weights_wait_s,
@@ -140,6 +141,7 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
                     closed = _closed(client, run_id)
         finally:
             worker.stop()
+            runner.close()
             engine.close()
         print(f"elasticrl rollout: {member_id} stopping after {worker.groups_done} groups "
               f"({gate.fetches} weight versions loaded)", flush=True)

@@ -169,6 +169,27 @@ def test_counters_move_with_joins_barrier_eviction_and_a_sealed_iteration(coordi
 
 
 @pytest.mark.timeout(60)
+def test_env_errors_and_given_up_tasks_are_counted(coordinator_factory, tmp_path, procs):
+    """A worker whose first 3 attempts fail in their env (2 episodes each): one of 2 tasks is
+    given up after max_task_failures = 2, the other is retried and done."""
+    coord, port = with_metrics(coordinator_factory, tmp_path)
+    run = "f"
+    procs("w", str(WORKER), "--coordinator", coord.address, "--run", run, "--member", "w", "--task-s", "0.01",
+          "--fail-first", "3")
+    wait_until(lambda: value(scrape(port), "elasticrl_scheduler_workers", run=run) == 1, 30, message="the worker connected")
+    with SchedulerClient(coord.address, call_timeout_s=5) as client:
+        client.submit_iteration(run, 1, [TaskSpec(task_id=f"t{i}", prompt_ids=[1, i], num_samples=SAMPLES) for i in range(2)],
+                                max_task_failures=2)
+        manifest = client.wait_sealed(run, 1, timeout_s=30)
+    assert (manifest["tasks_done"], manifest["tasks_failed"], manifest["env_errors"]) == (1, 1, 6), manifest
+    assert manifest["errors"] == [f"env fake.step() raised RuntimeError: attempt {k}" for k in (1, 2, 3)]
+    after = scrape(port)
+    assert value(after, "elasticrl_scheduler_env_errors_total", run=run) == 6
+    assert value(after, "elasticrl_scheduler_tasks", run=run, state="failed") == 1
+    assert value(after, "elasticrl_scheduler_tasks", run=run, state="done") == 1
+
+
+@pytest.mark.timeout(60)
 def test_other_paths_and_methods_and_the_token(coordinator_factory, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")

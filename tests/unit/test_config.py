@@ -127,7 +127,7 @@ def test_resolved_config_is_written_as_json(tmp_path):
     write_json(cfg, tmp_path / "config.json")
     data = json.loads((tmp_path / "config.json").read_text())
     assert data["trainer"]["lr"] == 0.01 and set(data) == {
-        "run", "coordinator", "model", "task", "engine", "rollout", "algorithm", "trainer", "checkpoint", "logging"
+        "run", "coordinator", "model", "task", "env", "engine", "rollout", "algorithm", "trainer", "checkpoint", "logging"
     }
 
 

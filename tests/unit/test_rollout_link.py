@@ -1,9 +1,11 @@
-"""The trainer's rollout glue: groups drawn by a node's engine, scored, shipped as packed bytes and
-rebuilt by ``batch_from_groups``, give exactly the tensors ``sample_groups`` gives locally; the
-version gate holds a task until its node has the policy version the task names."""
+"""The trainer's rollout glue: groups played by a node's engine (episodes of the single-turn prompt
+env), shipped as packed bytes and rebuilt by ``batch_from_groups``, give tensors whose loss mask
+covers exactly the policy's tokens and whose logprobs the trainer reproduces; the version gate
+holds a task until its node has the policy version the task names."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import threading
@@ -14,13 +16,17 @@ import pytest
 import torch
 
 from elasticrl.config import ModelConfig
-from elasticrl.policy.tiny import TinyCausalLM
+from elasticrl.env import EnvSpec
+from elasticrl.env.prompt import PromptEnv
+from elasticrl.policy.codec import CharCodec
+from elasticrl.policy.tiny import TinyCausalLM, token_logprobs
 from elasticrl.policy.vocab import CharVocab
 from elasticrl.rl.rewards import reward_function
-from elasticrl.rl.rollout import sample_groups
 from elasticrl.rl.tasks import Example, make_task
+from elasticrl.rollout.episodes import EpisodeRunner, EpisodeSettings
+from elasticrl.rollout.render import PlainRenderer
 from elasticrl.rollout.tiny_engine import TinyEngine
-from elasticrl.scheduler.state import FetchedGroup, Split
+from elasticrl.scheduler.state import FetchedGroup, SampleRecord, Split, TaskFailure
 from elasticrl.scheduler.worker import Assignment
 from elasticrl.train.rollout_link import (
     EngineWorker,
@@ -32,48 +38,83 @@ from elasticrl.train.rollout_link import (
 )
 from elasticrl.train.rollout_only import CoordinatorWeights
 
+pytestmark = pytest.mark.timeout(60)
 
-def engine(model, vocab, task, version: int = 7) -> EngineWorker:
+
+def engine(model, vocab, task, version: int = 7, reward=None, make_env=None) -> EngineWorker:
     """The generate side only (no coordinator): what the worker thread calls."""
     w = EngineWorker.__new__(EngineWorker)
     lock = threading.RLock()
-    w.engine = TinyEngine(model, vocab, lock=lock, policy_version=version)
-    w.decode, w.reward, w.lock = vocab.decode, reward_function([], None, task), lock
-    w.gate, w.stop_token_ids, w.version_timeout_s, w.groups_done = VersionGate(version), (), 5.0, 0
+    reward = reward or reward_function([], None, task)
+    make_env = make_env or EnvSpec("prompt", functools.partial(PromptEnv, score=reward.score)).make
+    w.runner = EpisodeRunner(
+        TinyEngine(model, vocab, lock=lock, policy_version=version), PlainRenderer(CharCodec(vocab).encode), make_env,
+        EpisodeSettings(step_timeout_s=5.0), engine_lock=lock, decode=vocab.decode,
+    )
+    w.gate, w.stop_token_ids, w.version_timeout_s, w.groups_done, w.groups_failed = VersionGate(version), (), 5.0, 0, 0
+    w.transcript_with_prompt = False
     w.error, w._failures, w._failures_lock, w._stop = None, 0, threading.Lock(), None
     return w
 
 
-def test_shipped_groups_rebuild_the_locally_sampled_batch():
+def rows_of(examples) -> list[dict]:
+    return [{"prompt": e.prompt, "target": e.target} for e in examples]
+
+
+def test_shipped_groups_rebuild_the_engines_episodes():
     torch.manual_seed(0)
     vocab, task = CharVocab(), make_task("reverse", 4)
     model = TinyCausalLM(ModelConfig(), len(vocab))
     examples = task.sample(random.Random(1), 3)
-    specs = iteration_tasks(
-        examples, lambda text: vocab.encode(text, bos=True), iteration=2, seed=5, group_size=4, max_new_tokens=5,
-        temperature=1.0, policy_version=7,
-    )
+    specs = iteration_tasks(rows_of(examples), iteration=2, seed=5, group_size=4, max_new_tokens=5, temperature=1.0,
+                            policy_version=7)
     assert [s.task_id for s in specs] == ["i2-p00000", "i2-p00001", "i2-p00002"]
-    groups = engine(model, vocab, task)._generate_batch([Assignment(2, s, 10.0, False) for s in specs])
-    assert [g.policy_version for g in groups] == [7, 7, 7]
+    assert [s.prompt_text for s in specs] == [e.prompt for e in examples] and all(not s.prompt_ids for s in specs)
+    w = engine(model, vocab, task)
+    try:
+        groups = w._generate_batch([Assignment(2, s, 10.0, False) for s in specs])
+    finally:
+        w.runner.close()
+    assert [g.policy_version for g in groups] == [7, 7, 7] and all(len(g.samples) == 4 for g in groups)
     fetched = [
         FetchedGroup(2, s.task_id, "n0", g.policy_version, g.gen_seconds, 0.0, s.prompt_ids, Split.TRAIN, s.metadata_json, g.samples)
         for s, g in zip(specs, groups)
     ]
     batch = batch_from_groups(fetched, vocab.pad_id, torch.device("cpu"))
-    # The same draw locally: one batch, the generator seeded by the first task.
-    ref = sample_groups(
-        model, vocab, task, [Example(json.loads(s.metadata_json)["prompt"], json.loads(s.metadata_json)["target"]) for s in specs],
-        group_size=4,
-        max_new_tokens=5, temperature=1.0, generator=torch.Generator().manual_seed(specs[0].sampling.seed),
-    )
-    assert torch.equal(batch.tokens, ref.tokens)
-    assert torch.equal(batch.valid, ref.valid)
-    assert torch.equal(batch.completion_mask, ref.completion_mask)
-    assert torch.allclose(batch.old_logprobs * batch.completion_mask, ref.old_logprobs * ref.completion_mask)
-    assert torch.equal(batch.rewards, ref.rewards)
-    assert batch.completions == ref.completions
-    assert [e.target for e in batch.examples] == [e.target for e in ref.examples]
+    row = 0
+    for ex, g in zip(examples, groups):
+        prompt = vocab.encode(ex.prompt, bos=True)
+        for sample in g.samples:
+            ids = sample.token_ids()
+            assert ids[:len(prompt)] == prompt  # the env's observation (the prompt) opens the episode
+            assert sample.mask_list() == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+            assert batch.tokens[row, :len(ids)].tolist() == ids and not batch.valid[row, len(ids):].any()
+            # Column t scores token t + 1: only the completion's tokens are trained.
+            expected = [0.0] * (len(prompt) - 1) + [1.0] * (len(ids) - len(prompt))
+            assert batch.completion_mask[row, :len(ids) - 1].tolist() == expected
+            assert batch.rewards[row] == pytest.approx(task.reward(ex, sample.text))
+            assert batch.completions[row] == sample.text == vocab.decode(ids[len(prompt):])
+            row += 1
+    # The trainer's teacher-forced logprobs are the engine's, on every trained token.
+    recomputed = token_logprobs(model, batch.tokens, batch.valid)
+    mask = batch.completion_mask
+    assert torch.allclose(recomputed * mask, batch.old_logprobs * mask, atol=1e-5)
+    assert [e.target for e in batch.examples] == [e.target for e in examples for _ in range(4)]
+    assert batch.episodes["episodes"] == 12 and batch.episodes["turns"] == 12 and batch.episodes["truncated"] == 0
+
+
+def test_observation_tokens_are_masked_and_an_episode_without_prompt_starts_at_column_zero():
+    meta = json.dumps({"row": {"instance": 3}})
+    # An env episode: obs [5, 6], action [7, 8], obs [9], action [10].
+    episode = SampleRecord.pack([5, 6, 7, 8, 9, 10], [0, 0, -0.5, -1.0, 0, -2.0], 1.0, loss_mask=[0, 0, 1, 1, 0, 1], turns=2,
+                                env_s=0.25, truncated=True)
+    plain = SampleRecord.pack([3, 4], [-0.25, -0.75], 0.0)
+    batch = batch_from_groups([FetchedGroup(1, "a", "n0", 0, 0.0, 0.0, [], Split.TRAIN, meta, [episode, plain])], 0,
+                              torch.device("cpu"))
+    assert batch.tokens.tolist() == [[5, 6, 7, 8, 9, 10], [3, 4, 0, 0, 0, 0]]
+    assert batch.completion_mask.tolist() == [[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]]
+    assert batch.old_logprobs.tolist() == [[0, -0.5, -1.0, 0, -2.0], [-0.75, 0, 0, 0, 0]]
+    assert batch.episodes == {"episodes": 2.0, "turns": 3.0, "env_s": 0.25, "truncated": 1.0}
 
 
 def test_prompts_of_different_widths_and_empty_completions_are_placed_exactly():
@@ -111,31 +152,39 @@ def test_an_empty_shard_is_an_empty_batch():
 
 
 def test_eval_tasks_have_their_own_ids_seeds_and_split():
-    vocab, task = CharVocab(), make_task("copy", 3)
-    examples = task.sample(random.Random(0), 2)
-    train = iteration_tasks(examples, vocab.encode, iteration=3, seed=1, group_size=2, max_new_tokens=4,
+    task = make_task("copy", 3)
+    rows = rows_of(task.sample(random.Random(0), 2))
+    train = iteration_tasks(rows, iteration=3, seed=1, group_size=2, max_new_tokens=4,
                             temperature=1.0, policy_version=2, weights_version=(5 << 32) | 2)
-    held_out = iteration_tasks(examples, vocab.encode, iteration=3, seed=1, group_size=2, max_new_tokens=4,
+    held_out = iteration_tasks(rows, iteration=3, seed=1, group_size=2, max_new_tokens=4,
                                temperature=1.0, policy_version=2, split="eval")
     assert [t.task_id for t in held_out] == ["i3-e00000", "i3-e00001"] and {t.split for t in held_out} == {Split.EVAL}
     assert {t.sampling.seed for t in train}.isdisjoint({t.sampling.seed for t in held_out})
     assert json.loads(train[0].metadata_json)["weights_version"] == (5 << 32) | 2
+    assert json.loads(train[1].metadata_json)["row"] == rows[1]
+
+
+def test_a_row_too_large_for_a_task_is_refused_with_its_index():
+    rows = [{"prompt": "a"}, {"prompt": "b" * (70 << 10)}]
+    with pytest.raises(ValueError, match="row 1 of the train rows is .* bytes"):
+        iteration_tasks(rows, iteration=1, seed=1, group_size=2, max_new_tokens=4, temperature=1.0, policy_version=0)
 
 
 def test_the_gate_holds_a_task_until_its_policy_version_is_pushed():
     torch.manual_seed(0)
     vocab, task = CharVocab(), make_task("reverse", 3)
     w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=3)
-    (spec,) = iteration_tasks(task.sample(random.Random(2), 1), vocab.encode, iteration=5, seed=1, group_size=2,
+    (spec,) = iteration_tasks(rows_of(task.sample(random.Random(2), 1)), iteration=5, seed=1, group_size=2,
                               max_new_tokens=4, temperature=1.0, policy_version=4)
     done = []
     thread = threading.Thread(target=lambda: done.append(w._generate_batch([Assignment(5, spec, 10.0, False)])))
     thread.start()
     time.sleep(0.3)
     assert not done, "drew a group of policy version 4 while the node still had version 3"
-    w.engine.set_version(4)
+    w.runner.engine.set_version(4)
     w.gate.advance(4)
     thread.join(timeout=10)
+    w.runner.close()
     assert done and done[0][0].policy_version == 4
     w.version_timeout_s = 0.2
     with pytest.raises(PolicyVersionTimeout, match="needs policy version 9; this node still has 4"):
@@ -220,19 +269,19 @@ def test_a_failing_reward_stops_the_worker_and_engine_failures_do_after_a_few():
 
     torch.manual_seed(0)
     vocab, task = CharVocab(), make_task("reverse", 3)
-    (spec,) = iteration_tasks(task.sample(random.Random(2), 1), vocab.encode, iteration=1, seed=1, group_size=2,
+    (spec,) = iteration_tasks(rows_of(task.sample(random.Random(2), 1)), iteration=1, seed=1, group_size=2,
                               max_new_tokens=4, temperature=1.0, policy_version=0)
     batch = [Assignment(1, spec, 10.0, False)]
-    w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=0)
     from elasticrl.rl.rewards import RewardFunction
 
-    w.reward = RewardFunction("broken", lambda prompt, completion, target: {}["answer"])  # KeyError inside
+    broken = RewardFunction("broken", lambda prompt, completion, target: {}["answer"])  # KeyError inside
+    w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=0, reward=broken)
     with pytest.raises(RewardError):
         w._generate_batch(batch)
     assert isinstance(w.error, RewardError)  # check() raises it in the trainer: the node stops
 
     w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=0)
-    w.engine.generate = lambda requests: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory"))
+    w.runner.engine.generate = lambda requests: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory"))
     for attempt in range(1, MAX_ENGINE_FAILURES + 1):
         with pytest.raises(RuntimeError):
             w._generate_batch(batch)
@@ -246,3 +295,29 @@ def test_a_failing_reward_stops_the_worker_and_engine_failures_do_after_a_few():
         with pytest.raises(ElasticRLError, match="closed"):
             w._generate_batch(batch)
     assert w.error is None
+
+
+def test_a_group_whose_env_fails_comes_back_as_a_failed_attempt_not_an_engine_failure():
+    """An env error fails its group (retried elsewhere by the scheduler), never the engine worker."""
+
+    class Flaky:
+        def reset(self, *, seed=None, options=None):
+            return options["prompt"], {}
+
+        def step(self, action):
+            raise ConnectionError("the browser went away")
+
+    torch.manual_seed(0)
+    vocab, task = CharVocab(), make_task("reverse", 3)
+    rows = rows_of(task.sample(random.Random(2), 2))
+    specs = iteration_tasks(rows, iteration=1, seed=1, group_size=3, max_new_tokens=4, temperature=1.0, policy_version=0)
+    w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=0, make_env=Flaky)
+    try:
+        for _ in range(4):  # more than MAX_ENGINE_FAILURES: env errors never count against the engine
+            out = w._generate_batch([Assignment(1, s, 10.0, False) for s in specs])
+            assert [type(o) for o in out] == [TaskFailure, TaskFailure]
+            assert out[0].task_id == specs[0].task_id and "ConnectionError: the browser went away" in out[0].reason
+            assert 1 <= out[0].env_errors <= 3
+    finally:
+        w.runner.close()
+    assert w.error is None and w.groups_failed == 8

@@ -1,36 +1,14 @@
-"""Typed configuration of an RL node: one dataclass per component, TOML files, CLI overrides.
-
-A config is a set of sections (``[run]``, ``[task]``, ``[policy]``, ...), each a
-``@dataclass(kw_only=True)`` whose fields carry a docstring and units in their names. Values come
-from the dataclass defaults, then a TOML file (``--config FILE``), then ``--section.key=value``
-overrides, in that order; each section validates itself in ``__post_init__`` and says how to fix a
-bad value. The resolved config is written as JSON into the run directory, so every run records
-exactly what it ran with. Pure Python: nothing here imports torch, so ``--help`` and config errors
-answer at once.
-"""
+"""The sections of a node config that set up the machinery: run, coordinator, model, engine,
+rollout, algorithm, trainer, checkpoint and logging (the workload's sections, ``[task]`` and
+``[env]``, are in ``config.workload``). Each is a ``@dataclass(kw_only=True)`` whose fields carry a
+docstring and units in their names, and which validates itself in ``__post_init__``."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tomllib
-import typing
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-COORDINATOR_ENV = "ELASTICRL_COORDINATOR"
-RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
-
-
-class ConfigError(ValueError):
-    """A config file or override is malformed; the message names the key and the fix."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
+from elasticrl.config.base import _check
 
 RL_PHASES = ("both", "rollout", "update")
 
@@ -135,34 +113,6 @@ class ModelConfig:
         _check(self.max_seq_len >= 4, f"model.max_seq_len: {self.max_seq_len} must be at least 4 tokens")
 
 
-@dataclasses.dataclass(kw_only=True)
-class TaskConfig:
-    """The prompts the policy is trained on (see ``elasticrl.rl.tasks``)."""
-
-    name: str = "reverse"
-    """Task name from the registry in elasticrl.rl.tasks (copy, reverse, ...)."""
-    num_digits: int = 4
-    """Digits in each prompt."""
-    prompts_per_iteration: int = 32
-    """Prompts per iteration across the whole world (one scheduler task each)."""
-    group_size: int = 8
-    """Samples drawn per prompt (one GRPO group); advantages are normalized within a group."""
-    eval_prompts: int = 32
-    """Held-out prompts rolled out every run.eval_interval iterations (split "eval")."""
-
-    def __post_init__(self) -> None:
-        from elasticrl.rl.tasks import TASKS  # pure Python, cheap
-
-        _check(self.name in TASKS, f"task.name: {self.name!r} is not a registered task; choose one of {', '.join(sorted(TASKS))}")
-        _check(1 <= self.num_digits <= 16, f"task.num_digits: {self.num_digits} must be 1..16")
-        _check(self.prompts_per_iteration >= 1, f"task.prompts_per_iteration: {self.prompts_per_iteration} must be at least 1")
-        _check(
-            self.group_size >= 2,
-            f"task.group_size: {self.group_size} must be at least 2: a group of one has no baseline (try 8)",
-        )
-        _check(self.eval_prompts >= 1, f"task.eval_prompts: {self.eval_prompts} must be at least 1")
-
-
 ENGINES = ("auto", "tiny", "hf", "vllm")
 
 
@@ -207,7 +157,7 @@ class RolloutConfig:
     the same temperature, so the importance ratio compares the distributions the samples came from
     (and the KL to the reference, algorithm.kl_coef, is measured between the tempered policies)."""
     max_new_tokens: int = 0
-    """Longest completion, tokens; 0 means the task's own limit."""
+    """Longest completion (one turn of an episode), tokens; 0 means the toy task's own limit, or 256."""
     policy: str = "dynamic"
     """Scheduler policy: dynamic (engines pull; fast nodes take more) or static (fixed shares by weight)."""
     slots: int = 16
@@ -215,11 +165,16 @@ class RolloutConfig:
     deadline_s: float = 0.0
     """Seal an iteration this long after submitting it once min_fraction of its groups are done; 0: wait for all."""
     min_fraction: float = 1.0
-    """With deadline_s: the fraction of groups an iteration needs before it may seal, in (0, 1]."""
+    """The fraction of an iteration's groups it needs, in (0, 1]: with deadline_s, before it may
+    seal; and of groups whose env failed (see max_task_failures), how many may be dropped: when
+    fewer than this fraction completed, the run stops with the env's error."""
     task_lease_s: float = 120.0
     """A task not finished this long after its assignment is handed to another engine, seconds."""
     backup_tasks: int = 0
     """Dynamic policy: backup copies of the last straggling tasks that idle engines may run."""
+    max_task_failures: int = 2
+    """A group whose env failed (raised, or passed env.step_timeout_s) is retried on another engine
+    until it failed this many times, then given up (the iteration seals without it)."""
     seal_timeout_s: float = 600.0
     """How long the trainer waits for an iteration to seal before failing, seconds."""
     presubmit: bool = True
@@ -241,6 +196,7 @@ class RolloutConfig:
         _check(0 < self.min_fraction <= 1, f"rollout.min_fraction: {self.min_fraction} must be in (0, 1]")
         _check(self.task_lease_s >= 0.001, f"rollout.task_lease_s: {self.task_lease_s} must be > 0 seconds")
         _check(self.backup_tasks >= 0, f"rollout.backup_tasks: {self.backup_tasks} must be >= 0")
+        _check(1 <= self.max_task_failures <= 100, f"rollout.max_task_failures: {self.max_task_failures} must be in 1..100")
         _check(self.seal_timeout_s > 0, f"rollout.seal_timeout_s: {self.seal_timeout_s} must be > 0 seconds")
         _check(self.weights_wait_s > 0, f"rollout.weights_wait_s: {self.weights_wait_s} must be > 0 seconds")
 
@@ -386,181 +342,3 @@ class LoggingConfig:
             self.wandb_mode in ("online", "offline", "disabled"),
             f"logging.wandb_mode: {self.wandb_mode!r} must be online, offline or disabled",
         )
-
-
-@dataclasses.dataclass(kw_only=True)
-class NodeConfig:
-    """Everything ``python -m elasticrl.node`` reads; each field is a TOML section."""
-
-    run: RunConfig = dataclasses.field(default_factory=RunConfig)
-    coordinator: CoordinatorSection = dataclasses.field(default_factory=CoordinatorSection)
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-
-    def __post_init__(self) -> None:
-        """Checks that span sections."""
-        engine, kind = self.engine.name, self.model.kind
-        _check(
-            engine in ("auto", "tiny") if kind == "tiny" else engine != "tiny",
-            f"engine.name: {engine!r} does not serve model.kind = {kind!r}; "
-            + ("the tiny model is served by engine tiny (or auto)" if kind == "tiny" else "use hf or vllm (or auto)"),
-        )
-        _check(
-            not self.checkpoint.export_hf or kind == "hf",
-            "checkpoint.export_hf: only model.kind = hf can be exported as an HF directory",
-        )
-
-    @property
-    def engine_name(self) -> str:
-        """The engine ``auto`` stands for."""
-        if self.engine.name != "auto":
-            return self.engine.name
-        return "tiny" if self.model.kind == "tiny" else "hf"
-
-    def resolved(self, env: Mapping[str, str] = os.environ, *, require_address: bool = True) -> "NodeConfig":
-        """A copy with run.run_id, run.run_dir and coordinator.address filled in from the
-        environment; ``ConfigError`` if no address is known, unless ``require_address`` is False
-        (printing a config needs no coordinator)."""
-        run_id = self.run.run_id or env.get(RUN_ID_ENV) or "local"
-        address = self.coordinator.address or env.get(COORDINATOR_ENV, "")
-        _check(
-            bool(address) or not require_address,
-            f"coordinator.address is not set: pass --coordinator.address=HOST:PORT or export {COORDINATOR_ENV}=HOST:PORT "
-            "(start one with `elasticrl coordinator`)",
-        )
-        run_dir = self.run.run_dir or os.path.join("runs", run_id)
-        return dataclasses.replace(
-            self,
-            run=dataclasses.replace(self.run, run_id=run_id, run_dir=run_dir),
-            coordinator=dataclasses.replace(self.coordinator, address=address),
-        )
-
-
-# -- loading -----------------------------------------------------------------------------------
-
-
-def _sections(cls: type) -> dict[str, type]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _coerce(key: str, text: str, typ: Any) -> Any:
-    """Turn an override's text into the field's type (lists: comma-separated; tables: JSON)."""
-    origin = typing.get_origin(typ)
-    if origin is list:
-        (item,) = typing.get_args(typ)
-        return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
-    if origin is dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: {text!r} is not a JSON object (e.g. '{{\"zero_optimization\": {{}}}}')")
-        return value
-    if typ is bool:
-        lowered = text.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: {text!r} is not a boolean; use true or false")
-    if typ in (int, float):
-        try:
-            return typ(text)
-        except ValueError:
-            raise ConfigError(f"{key}: {text!r} is not {'an integer' if typ is int else 'a number'}") from None
-    return text
-
-
-def _check_type(key: str, value: Any, typ: Any) -> Any:
-    """Values from TOML: ints are fine where floats are expected, nothing else is converted."""
-    origin = typing.get_origin(typ)
-    if origin is list:
-        (item,) = typing.get_args(typ)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a list of {item.__name__}")
-        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a table")
-        return value
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected {typ.__name__}")
-    return value
-
-
-def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
-    """``--section.key=value`` or ``--section.key value`` pairs, in order."""
-    pairs: list[tuple[str, str]] = []
-    it = iter(args)
-    for arg in it:
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"{arg!r}: expected --section.key=value (e.g. --trainer.lr=1e-3)")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-        else:
-            key = arg[2:]
-            value = next(it, None)
-            if value is None:
-                raise ConfigError(f"--{key}: missing value (write --{key}=VALUE)")
-        pairs.append((key, value))
-    return pairs
-
-
-def load_config(
-    path: str | os.PathLike | None = None,
-    overrides: Sequence[tuple[str, str]] = (),
-    cls: type = NodeConfig,
-) -> Any:
-    """Build ``cls`` from defaults, the TOML file at ``path`` and ``overrides`` (later wins)."""
-    sections = _sections(cls)
-    raw: dict[str, dict[str, Any]] = {name: {} for name in sections}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"--config: {os.fspath(path)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config: {os.fspath(path)!r} is not valid TOML: {exc}") from None
-        for name, table in data.items():
-            if name not in sections:
-                raise ConfigError(f"[{name}]: unknown section; valid sections are {', '.join(sections)}")
-            if not isinstance(table, dict):
-                raise ConfigError(f"{name}: expected a [{name}] table, got {table!r}")
-            fields = _sections(sections[name])
-            for key, value in table.items():
-                if key not in fields:
-                    raise ConfigError(f"{name}.{key}: unknown key; [{name}] has {', '.join(fields)}")
-                raw[name][key] = _check_type(f"{name}.{key}", value, fields[key])
-    for dotted, text in overrides:
-        name, _, key = dotted.partition(".")
-        if name not in sections:
-            raise ConfigError(f"--{dotted}: unknown section {name!r}; valid sections are {', '.join(sections)}")
-        fields = _sections(sections[name])
-        if key not in fields:
-            raise ConfigError(f"--{dotted}: unknown key {key!r}; [{name}] has {', '.join(fields)}")
-        raw[name][key] = _coerce(f"--{dotted}", text, fields[key])
-    return cls(**{name: sections[name](**values) for name, values in raw.items()})
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    return dataclasses.asdict(config)
-
-
-def write_json(config: Any, path: str | os.PathLike) -> None:
-    """Write the resolved config atomically (a reader never sees half a file)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(to_dict(config), f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -1,0 +1,230 @@
+"""``NodeConfig`` (every section of a node's config) and how it is loaded: dataclass defaults, then
+a TOML file, then ``--section.key=value`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elasticrl.config.base import ConfigError, _check
+from elasticrl.config.sections import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    CoordinatorSection,
+    EngineConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from elasticrl.config.workload import EnvConfig, TaskConfig
+
+COORDINATOR_ENV = "ELASTICRL_COORDINATOR"
+# Set by the torchrun plugin in its agent (workers inherit it) from --rdzv-endpoint/--rdzv-conf,
+# so the README's torchrun command needs no second copy of the address, token file or CA.
+TOKEN_FILE_ENV = "ELASTICRL_TOKEN_FILE"
+TLS_CA_ENV = "ELASTICRL_TLS_CA"
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+
+
+@dataclasses.dataclass(kw_only=True)
+class NodeConfig:
+    """Everything ``python -m elasticrl.node`` reads; each field is a TOML section."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    coordinator: CoordinatorSection = dataclasses.field(default_factory=CoordinatorSection)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        """Checks that span sections."""
+        engine, kind = self.engine.name, self.model.kind
+        _check(
+            engine in ("auto", "tiny") if kind == "tiny" else engine != "tiny",
+            f"engine.name: {engine!r} does not serve model.kind = {kind!r}; "
+            + ("the tiny model is served by engine tiny (or auto)" if kind == "tiny" else "use hf or vllm (or auto)"),
+        )
+        _check(
+            not self.checkpoint.export_hf or kind == "hf",
+            "checkpoint.export_hf: only model.kind = hf can be exported as an HF directory",
+        )
+        task = self.task
+        _check(
+            task.kind != "generated" or bool(self.env.name),
+            "task.kind = generated: the rows are instance numbers for an env to build from; set env.name "
+            "(e.g. --env.name=guess)",
+        )
+        _check(
+            not task.chat_template or kind == "hf",
+            "task.chat_template: the tiny model has no chat template; it needs model.kind = hf",
+        )
+        _check(
+            self.trainer.warmup_steps == 0 or (task.kind == "toy" and not self.env.name),
+            "trainer.warmup_steps: the supervised warm-up trains on a toy task's targets; set it to 0 for "
+            f"task.kind = {task.kind}" + (f" with env.name = {self.env.name!r}" if self.env.name else ""),
+        )
+
+    @property
+    def engine_name(self) -> str:
+        """The engine ``auto`` stands for."""
+        if self.engine.name != "auto":
+            return self.engine.name
+        return "tiny" if self.model.kind == "tiny" else "hf"
+
+    def resolved(self, env: Mapping[str, str] = os.environ, *, require_address: bool = True) -> "NodeConfig":
+        """A copy with run.run_id, run.run_dir and coordinator.address filled in from the
+        environment; ``ConfigError`` if no address is known, unless ``require_address`` is False
+        (printing a config needs no coordinator)."""
+        run_id = self.run.run_id or env.get(RUN_ID_ENV) or "local"
+        c = self.coordinator
+        address = c.address or env.get(COORDINATOR_ENV, "")
+        _check(
+            bool(address) or not require_address,
+            f"coordinator.address is not set: pass --coordinator.address=HOST:PORT or export {COORDINATOR_ENV}=HOST:PORT "
+            "(start one with `elasticrl coordinator`; under torchrun --rdzv-backend=elasticrl the plugin sets it)",
+        )
+        run_dir = self.run.run_dir or os.path.join("runs", run_id)
+        return dataclasses.replace(
+            self,
+            run=dataclasses.replace(self.run, run_id=run_id, run_dir=run_dir),
+            coordinator=dataclasses.replace(
+                c, address=address, token_file=c.token_file or env.get(TOKEN_FILE_ENV, ""), tls_ca=c.tls_ca or env.get(TLS_CA_ENV, ""),
+            ),
+        )
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def _sections(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, text: str, typ: Any) -> Any:
+    """Turn an override's text into the field's type (lists: comma-separated; tables: JSON)."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
+    if origin is dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: {text!r} is not a JSON object (e.g. '{{\"zero_optimization\": {{}}}}')")
+        return value
+    if typ is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: {text!r} is not a boolean; use true or false")
+    if typ in (int, float):
+        try:
+            return typ(text)
+        except ValueError:
+            raise ConfigError(f"{key}: {text!r} is not {'an integer' if typ is int else 'a number'}") from None
+    return text
+
+
+def _check_type(key: str, value: Any, typ: Any) -> Any:
+    """Values from TOML: ints are fine where floats are expected, nothing else is converted."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a list of {item.__name__}")
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a table")
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected {typ.__name__}")
+    return value
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``--section.key=value`` or ``--section.key value`` pairs, in order."""
+    pairs: list[tuple[str, str]] = []
+    it = iter(args)
+    for arg in it:
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"{arg!r}: expected --section.key=value (e.g. --trainer.lr=1e-3)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        else:
+            key = arg[2:]
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"--{key}: missing value (write --{key}=VALUE)")
+        pairs.append((key, value))
+    return pairs
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[tuple[str, str]] = (),
+    cls: type = NodeConfig,
+) -> Any:
+    """Build ``cls`` from defaults, the TOML file at ``path`` and ``overrides`` (later wins)."""
+    sections = _sections(cls)
+    raw: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"--config: {os.fspath(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config: {os.fspath(path)!r} is not valid TOML: {exc}") from None
+        for name, table in data.items():
+            if name not in sections:
+                raise ConfigError(f"[{name}]: unknown section; valid sections are {', '.join(sections)}")
+            if not isinstance(table, dict):
+                raise ConfigError(f"{name}: expected a [{name}] table, got {table!r}")
+            fields = _sections(sections[name])
+            for key, value in table.items():
+                if key not in fields:
+                    raise ConfigError(f"{name}.{key}: unknown key; [{name}] has {', '.join(fields)}")
+                raw[name][key] = _check_type(f"{name}.{key}", value, fields[key])
+    for dotted, text in overrides:
+        name, _, key = dotted.partition(".")
+        if name not in sections:
+            raise ConfigError(f"--{dotted}: unknown section {name!r}; valid sections are {', '.join(sections)}")
+        fields = _sections(sections[name])
+        if key not in fields:
+            raise ConfigError(f"--{dotted}: unknown key {key!r}; [{name}] has {', '.join(fields)}")
+        raw[name][key] = _coerce(f"--{dotted}", text, fields[key])
+    return cls(**{name: sections[name](**values) for name, values in raw.items()})
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def write_json(config: Any, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically (a reader never sees half a file)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(to_dict(config), f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,223 @@
+"""What a run trains on, from its ``[task]`` and ``[env]`` sections: the rows of each iteration, and
+the environment every episode of a row is played in.
+
+Rows (the driver, rank 0, turns each into one scheduler task = one GRPO group):
+
+* ``ToyRows``: a built-in digit task's ``{"prompt", "target"}`` rows, drawn from (seed, iteration).
+* ``DatasetRows``: your rows from ``task.path``, in a per-epoch shuffled order; iteration ``i``
+  takes the next ``prompts_per_iteration`` of them. Where the data stands is a row *position*
+  saved in every checkpoint, so a resumed run neither repeats nor skips rows.
+* ``GeneratedRows``: ``{"instance": N}`` rows for an env that builds its own instances.
+
+Every source also has fixed held-out rows for evaluation. Episodes (every engine builds the same
+``EnvSpec``): ``env.name`` when set, otherwise ``PromptEnv``, one turn on the row's prompt scored
+by the reward functions. Pure Python: the driver and the engines both import this.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import random
+from typing import Any, Protocol
+
+from elasticrl.config import ConfigError, NodeConfig
+from elasticrl.env import EnvLoadError, EnvSpec, load_env
+from elasticrl.env.prompt import PromptEnv
+from elasticrl.rl.rewards import RewardFunction
+from elasticrl.rl.tasks import Task, make_task
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 256
+"""Longest action (one turn) when rollout.max_new_tokens is 0 and the task is not a toy task."""
+
+
+class RowSource(Protocol):
+    def train_rows(self, iteration: int, count: int) -> list[dict[str, Any]]:
+        """The rows iteration ``iteration`` (1-based) trains on: the same for the same run every time."""
+        ...
+
+    def eval_rows(self, count: int) -> list[dict[str, Any]]:
+        """Held-out rows, the same at every evaluation; empty when the source has none."""
+        ...
+
+    def position(self, iteration: int) -> dict[str, Any]:
+        """Where the data stands once ``iteration`` is done (saved in its checkpoint)."""
+        ...
+
+    def resume(self, iteration: int, position: dict[str, Any]) -> None:
+        """Continue after checkpoint ``iteration`` whose ``position()`` was ``position``."""
+        ...
+
+
+class ToyRows:
+    """A toy task's rows: prompts drawn from ``random.Random(f"{seed}/{iteration}")``, so every
+    world size trains on the same data and the iteration number is the data position."""
+
+    def __init__(self, task: Task, seed: int):
+        self.task = task
+        self.seed = seed
+
+    def train_rows(self, iteration: int, count: int) -> list[dict[str, Any]]:
+        return [{"prompt": e.prompt, "target": e.target} for e in self.task.sample(random.Random(f"{self.seed}/{iteration}"), count)]
+
+    def eval_rows(self, count: int) -> list[dict[str, Any]]:
+        return [{"prompt": e.prompt, "target": e.target} for e in self.task.sample(random.Random(f"{self.seed}/eval"), count)]
+
+    def position(self, iteration: int) -> dict[str, Any]:
+        return {"next_iteration": iteration + 1, "prompt_rng": f"{self.seed}/{iteration + 1}"}
+
+    def resume(self, iteration: int, position: dict[str, Any]) -> None:
+        pass
+
+
+def _instance(seed: int, tag: str, k: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{tag}/{k}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")
+
+
+class GeneratedRows:
+    """``{"instance": N}`` rows, N a hash of (seed, iteration, index): the env draws the instance
+    from N, and every episode of a group (one row) plays the same instance."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def train_rows(self, iteration: int, count: int) -> list[dict[str, Any]]:
+        return [{"instance": _instance(self.seed, str(iteration), k)} for k in range(count)]
+
+    def eval_rows(self, count: int) -> list[dict[str, Any]]:
+        return [{"instance": _instance(self.seed, "eval", k)} for k in range(count)]
+
+    def position(self, iteration: int) -> dict[str, Any]:
+        return {"next_iteration": iteration + 1}
+
+    def resume(self, iteration: int, position: dict[str, Any]) -> None:
+        pass
+
+
+class DatasetRows:
+    """Rows of a dataset file, ``per_iteration`` of them per iteration, in epochs shuffled from the
+    seed. Iteration ``i`` starts at row position ``base + (i - 1 - base_iteration) * per_iteration``;
+    ``resume`` moves the base to what a checkpoint recorded, so changing prompts_per_iteration
+    between a run and its resume still neither repeats nor skips rows."""
+
+    def __init__(self, train: list[dict[str, Any]], held_out: list[dict[str, Any]], *, seed: int, per_iteration: int,
+                 shuffle: bool = True):
+        from elasticrl.data import RowStream
+
+        self.stream = RowStream(train, seed, shuffle=shuffle)
+        self.held_out = held_out
+        self.per_iteration = per_iteration
+        self.base_iteration = 0
+        self.base_position = 0
+
+    def _start(self, iteration: int) -> int:
+        return self.base_position + (iteration - 1 - self.base_iteration) * self.per_iteration
+
+    def train_rows(self, iteration: int, count: int) -> list[dict[str, Any]]:
+        return [row for _, row in self.stream.take(self._start(iteration), count)]
+
+    def eval_rows(self, count: int) -> list[dict[str, Any]]:
+        return self.held_out[:count]
+
+    def position(self, iteration: int) -> dict[str, Any]:
+        nxt = self._start(iteration + 1)
+        return {"next_iteration": iteration + 1, "next_row": nxt, "epoch": self.stream.epoch_of(nxt), "rows_per_epoch": len(self.stream)}
+
+    def resume(self, iteration: int, position: dict[str, Any]) -> None:
+        if "next_row" in position:
+            self.base_iteration, self.base_position = iteration, int(position["next_row"])
+        log.info("data: resuming after iteration %d at row position %d (epoch %d of %d rows)", iteration,
+                 self._start(iteration + 1), self.stream.epoch_of(self._start(iteration + 1)), len(self.stream))
+
+
+def load_dataset_rows(cfg: NodeConfig, reward: RewardFunction | None) -> DatasetRows:
+    """``task.path`` (and ``task.eval_path``) read and checked, for the driver.
+
+    Raises:
+        ConfigError: a bad file or row (naming the file, the row and the key), or a reward
+            function that needs a field the rows lack.
+    """
+    from elasticrl.data import DatasetError, load_rows, split_eval
+
+    t = cfg.task
+    single_turn = not cfg.env.name
+    keys = dict(prompt_key="" if t.messages_key else t.prompt_key, messages_key=t.messages_key) if single_turn else {}
+    try:
+        rows = load_rows(t.path, what="task.path", **keys)
+        held_out = load_rows(t.eval_path, what="task.eval_path", **keys) if t.eval_path else []
+        if t.eval_fraction:
+            rows, held_out = split_eval(rows, t.eval_fraction, cfg.run.seed)
+    except DatasetError as exc:
+        raise ConfigError(str(exc)) from None
+    if reward is not None:
+        try:
+            reward.check_fields([k for k, v in rows[0].items() if v is not None], t.path)
+        except ValueError as exc:
+            raise ConfigError(f"algorithm.rewards: {exc}") from None
+    if cfg.run.eval_interval and not held_out:
+        log.warning("run.eval_interval = %d but the dataset has no held-out rows (task.eval_path or task.eval_fraction): "
+                    "no evaluation will run", cfg.run.eval_interval)
+    return DatasetRows(rows, held_out, seed=cfg.run.seed, per_iteration=t.prompts_per_iteration, shuffle=t.shuffle)
+
+
+def workload_name(cfg: NodeConfig) -> str:
+    """A few words for logs: "toy task reverse", "dataset data/train.jsonl, env guess"."""
+    t = cfg.task
+    rows = {"toy": f"toy task {t.name}", "dataset": f"dataset {t.path}", "generated": "generated rows"}[t.kind]
+    return f"{rows}, env {cfg.env.name}" if cfg.env.name else rows
+
+
+def toy_task(cfg: NodeConfig) -> Task | None:
+    return make_task(cfg.task.name, cfg.task.num_digits) if cfg.task.kind == "toy" else None
+
+
+def row_source(cfg: NodeConfig, reward: RewardFunction | None) -> RowSource:
+    kind = cfg.task.kind
+    if kind == "toy":
+        return ToyRows(make_task(cfg.task.name, cfg.task.num_digits), cfg.run.seed)
+    if kind == "dataset":
+        return load_dataset_rows(cfg, reward)
+    return GeneratedRows(cfg.run.seed)
+
+
+def episode_env(cfg: NodeConfig, reward: RewardFunction | None) -> tuple[EnvSpec, RewardFunction | None]:
+    """The env of every episode and the reward over a finished transcript (None: the env's step
+    rewards are the whole return).
+
+    Raises:
+        ConfigError: env.name cannot be loaded, or a single-turn run has no reward to score with.
+    """
+    if cfg.env.name:
+        try:
+            return load_env(cfg.env.name, cfg.env.kwargs), reward
+        except EnvLoadError as exc:
+            raise ConfigError(f"env.name: {exc}") from None
+    if reward is None:
+        raise ConfigError(
+            "algorithm.rewards: a single-turn run on a dataset scores each completion with your reward functions; set "
+            "algorithm.rewards (e.g. [\"exact_match\"], or \"my_rewards.py:score\" reading your columns as keyword "
+            "arguments), or give an env (env.name)"
+        )
+    t = cfg.task
+    factory = functools.partial(PromptEnv, score=reward.score, prompt_key=t.prompt_key, messages_key=t.messages_key)
+    return EnvSpec(name="prompt", factory=factory), None
+
+
+def max_new_tokens(cfg: NodeConfig, task: Task | None) -> int:
+    """Longest action (one turn), tokens."""
+    if cfg.rollout.max_new_tokens:
+        return cfg.rollout.max_new_tokens
+    return task.max_new_tokens if task is not None else DEFAULT_MAX_NEW_TOKENS
+
+
+def row_label(row: dict[str, Any], limit: int = 200) -> str:
+    """A short text naming a row (the scheduler shows it as the task's prompt)."""
+    for key in ("prompt", "question", "instruction", "query"):
+        if isinstance(row.get(key), str) and row[key]:
+            return row[key][:limit]
+    return json.dumps(row, sort_keys=True, default=str)[:limit] or "{}"

@@ -1,0 +1,461 @@
+"""The episode runner: every live episode of an engine, driven in lock step, one batched generate per step.
+
+A scheduler task is one GRPO group: ``G`` episodes of one dataset row, each with its own seed. An
+episode is ``reset`` -> (generate an action -> ``step``)* until the env terminates or truncates, the
+turn limit (``TurnLimit``) or the context runs out, or the env fails. The runner plays the episodes
+of every group its callers hand it on one asyncio loop in a private thread:
+
+* **Batching.** An episode that needs an action parks its context in a queue; a batcher hands the
+  engine every parked context in one ``generate`` call, once every live episode is parked (lock
+  step) or ``linger_s`` after the first one parked (a slow env does not hold the others up).
+  Identical contexts (the G episodes of a single-turn group) go as one request with ``n = k``, so a
+  one-turn episode draws exactly what a plain GRPO group would, and vLLM shares their prefill.
+* **Envs** run concurrently: ``async def`` methods on the loop, sync ones on a thread pool sized
+  ``episodes_in_flight``. Instances are pooled and reused through ``reset``; one that failed is
+  discarded. Every reset and step has a deadline (``step_timeout_s``).
+* **Failures.** An env that raises, returns garbage or passes its deadline fails that episode;
+  the group's other episodes are cancelled and the group comes back as failed with the error
+  (the caller gives the task back to the scheduler, which retries it elsewhere once). An engine
+  error is not the env's fault: it propagates to the caller unchanged.
+* **Context.** An episode that would not fit the context (``max_context`` tokens in all) ends as
+  truncated before the overflowing generate or observation; it never crashes the engine.
+
+Only action tokens are trained (loss mask 1) and carry the engine's logprobs; observation and
+template tokens have mask 0 and logprob 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from elasticrl.env.base import EnvError, call_close, call_reset, call_step, env_label
+from elasticrl.env.wrappers import TurnLimit
+from elasticrl.rollout.engine import GroupRequest, RolloutEngine, Sample, SamplingSpec
+from elasticrl.rollout.render import Renderer
+
+log = logging.getLogger(__name__)
+
+FinalReward = Callable[[str, str, Mapping[str, Any]], float]
+"""final(prompt text, transcript text, row) -> reward added to an episode's return."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeSettings:
+    max_turns: int = 1
+    """Most policy turns per episode; the last one is truncated if the env has not terminated."""
+    step_timeout_s: float = 60.0
+    """Deadline of one env reset or step, seconds."""
+    episodes_in_flight: int = 128
+    """Most episodes played at once (more wait for a free place)."""
+    max_context: int = 0
+    """Most tokens of one episode (observations and actions); 0: no limit beyond the engine's."""
+    linger_s: float = 0.02
+    """How long the batcher waits for episodes still in their env before it generates anyway."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.episodes_in_flight < 1 or self.step_timeout_s <= 0 or self.max_context < 0:
+            raise ValueError(f"EpisodeSettings: {self} has a value out of range")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupTask:
+    """One GRPO group to play."""
+
+    task_id: str
+    row: Mapping[str, Any]
+    """The dataset row: every episode's ``reset(options=row)``."""
+    episodes: int
+    seed: int
+    """The task's seed: episode j resets with ``episode_seed(seed, j)``."""
+    sampling: SamplingSpec
+    """Temperature etc.; ``max_new_tokens`` is the limit of one action."""
+    cancelled: threading.Event | None = None
+    """Set when the result is no longer wanted: the group stops at its episodes' next turn."""
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 on action tokens (trained), 0 on observation/template tokens."""
+    logprobs: list[float]
+    """The engine's logprob on action tokens, 0.0 elsewhere."""
+    rewards: list[float]
+    """One per step (plus the final reward, if any, as the last entry)."""
+    turns: int
+    env_s: float
+    gen_s: float
+    truncated: bool
+    finish_reason: str
+    """"stop" when the env terminated the episode, "length" when it was cut (turns, context, env)."""
+    prompt: str
+    """The first observation as text."""
+    text: str
+    """Everything after the first observation as text: actions and observations in order."""
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.rewards))
+
+
+@dataclasses.dataclass
+class GroupOutcome:
+    task_id: str
+    episodes: list[EpisodeResult] | None
+    """Every episode, in order; None when the group failed or was cancelled."""
+    error: str = ""
+    env_errors: int = 0
+    cancelled: bool = False
+
+
+class EpisodeFailed(Exception):
+    """An episode's env failed (raised, malformed result, deadline); fails its group."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def episode_seed(seed: int, index: int) -> int:
+    """Episode ``index``'s env and sampling seed within its group."""
+    return (seed * 1_000_003 + index * 7_919 + 1) % (2**31)
+
+
+def _turn_seed(seed: int, turn: int) -> int:
+    return (seed * 31 + turn) % (2**63)
+
+
+@dataclasses.dataclass
+class _Parked:
+    context: list[int]
+    spec: SamplingSpec
+    future: asyncio.Future
+
+
+class EpisodeRunner:
+    """Plays groups of episodes with ``engine`` and envs from ``make_env``.
+
+    Args:
+        engine: any ``RolloutEngine``; ``generate`` is called from one thread at a time, under
+            ``engine_lock``.
+        renderer: observation -> tokens (``rollout.render``).
+        make_env: builds one env instance (``EnvSpec.make``); called as often as episodes run at once.
+        settings: turn limit, deadlines, concurrency, context.
+        engine_lock: held around each ``generate`` (the trainer takes it to update the weights).
+        decode: action ids -> text, for engines that return no ``Sample.text``.
+        final_reward: optional reward over the whole transcript, added to each episode's return.
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, renderer: Renderer, make_env: Callable[[], Any], settings: EpisodeSettings, *,
+        engine_lock: threading.RLock | None = None, decode: Callable[[list[int]], str] | None = None,
+        final_reward: FinalReward | None = None,
+    ):
+        self.engine = engine
+        self.renderer = renderer
+        self.make_env = make_env
+        self.settings = settings
+        self.lock = engine_lock or threading.RLock()
+        self.decode = decode
+        self.final_reward = final_reward
+        engine_limit = getattr(engine, "max_context", None) or 0
+        limits = [x for x in (settings.max_context, engine_limit) if x]
+        self.max_context = min(limits) if limits else 1 << 62
+        self.generate_calls = 0
+        self.generated_rows = 0
+        self._env_pool = concurrent.futures.ThreadPoolExecutor(settings.episodes_in_flight, thread_name_prefix="env")
+        self._engine_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
+        self._idle_envs: list[TurnLimit] = []
+        self._busy: dict[int, concurrent.futures.Future] = {}
+        self._closing: set[asyncio.Task] = set()
+        self._parked: list[_Parked] = []
+        self._live = 0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="episodes", daemon=True)
+        self._thread.start()
+        self._started.wait(timeout=30)
+
+    # -- the loop thread ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.settings.episodes_in_flight)
+        self._batcher = self._loop.create_task(self._batch_forever())
+        self._started.set()
+        self._loop.run_forever()
+
+    def play(self, tasks: Sequence[GroupTask]) -> list[GroupOutcome]:
+        """Play every group (blocking; callable from any thread, concurrently). An engine error
+        raises here after the other groups of this call are cancelled."""
+        if self._closed:
+            raise RuntimeError("the episode runner is closed")
+        futures = [asyncio.run_coroutine_threadsafe(self._group(t), self._loop) for t in tasks]
+        out, error = [], None
+        for f in futures:
+            try:
+                out.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finished
+                error = error or exc
+        if error is not None:
+            raise error
+        return out
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop, close every pooled env; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> None:
+            self._batcher.cancel()
+            envs, self._idle_envs = self._idle_envs, []
+            for env in envs:
+                await self._close_env(env)
+            if self._closing:
+                await asyncio.wait(set(self._closing), timeout=timeout_s)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - best effort at teardown
+            log.warning("episode runner: closing envs failed: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        self._env_pool.shutdown(wait=False, cancel_futures=True)
+        self._engine_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- envs ----------------------------------------------------------------------------------
+
+    def _runner(self, env: TurnLimit) -> Callable[[Callable[[], Any]], asyncio.Future]:
+        """How ``env``'s sync methods run: on the env pool, remembering the call, so an env whose
+        call passed its deadline (still running in its thread) is closed only after it returns."""
+
+        def run(fn: Callable[[], Any]) -> asyncio.Future:
+            call = self._env_pool.submit(fn)
+            self._busy[id(env)] = call
+            return asyncio.wrap_future(call, loop=self._loop)
+
+        return run
+
+    async def _acquire_env(self) -> TurnLimit:
+        if self._idle_envs:
+            return self._idle_envs.pop()
+        built = asyncio.wrap_future(self._env_pool.submit(self.make_env), loop=self._loop)
+        try:
+            env = await asyncio.wait_for(built, self.settings.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise EnvError(f"building an env took longer than env.step_timeout_s = {self.settings.step_timeout_s:g}s") from None
+        return TurnLimit(env, self.settings.max_turns)
+
+    def _discard_env(self, env: TurnLimit) -> None:
+        busy = self._busy.pop(id(env), None)
+        if busy is not None and not busy.done():
+            def later(_: concurrent.futures.Future) -> None:
+                if not self._closed:  # else the runner is gone, and the process with it soon
+                    self._loop.call_soon_threadsafe(self._close_later, env)
+
+            busy.add_done_callback(later)
+            return
+        self._close_later(env)
+
+    def _close_later(self, env: TurnLimit) -> None:
+        task = self._loop.create_task(self._close_env(env))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_env(self, env: TurnLimit) -> None:
+        self._busy.pop(id(env), None)
+        try:
+            await asyncio.wait_for(call_close(env, run_sync=self._runner(env)), self.settings.step_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failing close must not fail anything else
+            log.warning("closing env %s failed: %s", env_label(env), exc)
+
+    async def _env_call(self, env: TurnLimit, what: str, call) -> Any:
+        try:
+            return await asyncio.wait_for(call, self.settings.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise EnvError(f"env {env_label(env)}.{what}() did not return within env.step_timeout_s = "
+                           f"{self.settings.step_timeout_s:g}s") from None
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def _generate(self, context: list[int], spec: SamplingSpec) -> tuple[Sample, float]:
+        """The engine's sample for ``context`` and the seconds of the batch it was drawn in."""
+        future = self._loop.create_future()
+        self._parked.append(_Parked(context, spec, future))
+        self._wake.set()
+        return await future
+
+    async def _batch_forever(self) -> None:
+        loop = self._loop
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._parked = [p for p in self._parked if not p.future.done()]
+            if not self._parked:
+                continue
+            # Lock step: wait until every live episode is parked, or linger_s at most.
+            deadline = loop.time() + self.settings.linger_s
+            while len(self._parked) < self._live and loop.time() < deadline:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+            batch = [p for p in self._parked if not p.future.done()]
+            self._parked = []
+            if batch:
+                await self._generate_batch(batch)
+
+    async def _generate_batch(self, batch: list[_Parked]) -> None:
+        merged: dict[tuple, list[_Parked]] = {}
+        for p in batch:
+            key = (tuple(p.context), dataclasses.replace(p.spec, seed=None))
+            merged.setdefault(key, []).append(p)
+        requests = [
+            GroupRequest(task_id=f"r{i}", prompt_ids=list(group[0].context),
+                         sampling=dataclasses.replace(group[0].spec, n=len(group)))
+            for i, group in enumerate(merged.values())
+        ]
+
+        def generate() -> list:
+            with self.lock:
+                return self.engine.generate(requests)
+
+        start = time.perf_counter()
+        try:
+            groups = await self._loop.run_in_executor(self._engine_pool, generate)
+        except BaseException as exc:  # noqa: BLE001 - handed to every episode waiting for this batch
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        seconds = time.perf_counter() - start
+        self.generate_calls += 1
+        self.generated_rows += len(batch)
+        for group, parked in zip(groups, merged.values()):
+            for sample, p in zip(group.samples, parked):
+                if not p.future.done():
+                    p.future.set_result((sample, seconds))
+
+    # -- episodes ------------------------------------------------------------------------------
+
+    async def _group(self, task: GroupTask) -> GroupOutcome:
+        runs = [self._loop.create_task(self._episode(task, j)) for j in range(task.episodes)]
+        try:
+            episodes = await asyncio.gather(*runs)
+        except (EpisodeFailed, _Cancelled) as exc:
+            for r in runs:
+                r.cancel()
+            done = await asyncio.gather(*runs, return_exceptions=True)
+            if isinstance(exc, _Cancelled):
+                return GroupOutcome(task.task_id, None, cancelled=True)
+            failed = sum(isinstance(d, EpisodeFailed) for d in done)
+            return GroupOutcome(task.task_id, None, error=str(exc), env_errors=max(failed, 1))
+        except BaseException:
+            for r in runs:
+                r.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
+        return GroupOutcome(task.task_id, list(episodes))
+
+    async def _episode(self, task: GroupTask, index: int) -> EpisodeResult:
+        async with self._slots:
+            self._live += 1
+            try:
+                return await self._play(task, index)
+            finally:
+                self._live -= 1
+                self._wake.set()  # the lock step may be complete without this episode
+
+    async def _play(self, task: GroupTask, index: int) -> EpisodeResult:
+        seed = episode_seed(task.seed, index)
+        env_s = gen_s = 0.0
+        try:
+            env = await self._acquire_env()
+        except EnvError as exc:
+            raise EpisodeFailed(str(exc)) from exc
+        run_sync = self._runner(env)
+        healthy = False
+        try:
+            t0 = time.perf_counter()
+            obs, _ = await self._env_call(env, "reset", call_reset(env, seed=seed, options=dict(task.row), run_sync=run_sync))
+            env_s += time.perf_counter() - t0
+            tokens = self._render(env, self.renderer.first, obs)
+            if not tokens:
+                raise EnvError(f"env {env_label(env)}.reset(): the first observation renders to no tokens")
+            mask, logprobs = [0] * len(tokens), [0.0] * len(tokens)
+            prompt, transcript, rewards = self.renderer.as_text(obs), [], []
+            turns, truncated, last = 0, False, "stop"
+            while True:
+                if task.cancelled is not None and task.cancelled.is_set():
+                    raise _Cancelled()
+                room = self.max_context - len(tokens)
+                if room < 1:
+                    truncated = True
+                    break
+                spec = dataclasses.replace(task.sampling, n=1, max_new_tokens=min(task.sampling.max_new_tokens, room),
+                                           seed=_turn_seed(seed, turns))
+                sample, seconds = await self._generate(tokens, spec)
+                gen_s += seconds
+                action_ids = list(sample.completion_ids)
+                tokens += action_ids
+                mask += [1] * len(action_ids)
+                logprobs += list(sample.logprobs)
+                last = sample.finish_reason
+                closing = self.renderer.close_action(sample.finish_reason == "stop")
+                if closing and len(tokens) + len(closing) <= self.max_context:
+                    tokens += closing
+                    mask += [0] * len(closing)
+                    logprobs += [0.0] * len(closing)
+                action = sample.text if sample.text is not None else (self.decode(action_ids) if self.decode else "")
+                transcript.append(action)
+                turns += 1
+                t0 = time.perf_counter()
+                obs, reward, terminated, cut, _ = await self._env_call(env, "step", call_step(env, action, run_sync=run_sync))
+                env_s += time.perf_counter() - t0
+                rewards.append(reward)
+                if terminated or cut:
+                    truncated = cut and not terminated
+                    break
+                more = self._render(env, self.renderer.next, obs)
+                if len(tokens) + len(more) >= self.max_context:  # no room for it and one more token
+                    truncated = True
+                    break
+                tokens += more
+                mask += [0] * len(more)
+                logprobs += [0.0] * len(more)
+                transcript.append(self.renderer.as_text(obs))
+            healthy = True
+        except EnvError as exc:
+            raise EpisodeFailed(str(exc)) from exc
+        finally:
+            if healthy:
+                self._idle_envs.append(env)
+            else:
+                self._discard_env(env)
+        text = "\n".join(transcript)
+        if self.final_reward is not None:
+            rewards.append(float(self.final_reward(prompt, text, task.row)))
+        return EpisodeResult(
+            token_ids=tokens, loss_mask=mask, logprobs=logprobs, rewards=rewards, turns=turns, env_s=env_s, gen_s=gen_s,
+            truncated=truncated, finish_reason="length" if truncated or last == "length" else "stop", prompt=prompt, text=text,
+        )
+
+    @staticmethod
+    def _render(env: TurnLimit, render: Callable, obs) -> list[int]:
+        try:
+            return render(obs)
+        except EnvError:
+            raise
+        except ValueError as exc:  # e.g. a character the tiny vocabulary lacks
+            raise EnvError(f"env {env_label(env)}: its observation cannot be tokenized: {exc}") from exc

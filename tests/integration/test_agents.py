@@ -1,0 +1,234 @@
+"""Agents end to end (``elasticrl run``: a real coordinator, real torchrun nodes): the bundled
+multi-turn demo learns; a user's env file and a user's dataset with a reward reading its own
+column run; a node SIGKILLed mid-episode; an env that raises every 5th step and one that sleeps
+past its deadline fail only their groups; the web and search envs run with the hf engine on a
+tiny local model. Every run must finish every iteration."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.conftest import REPO
+from tests.integration import test_demo
+from tests.integration.test_demo import metrics, run_demo
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+
+AGENT_DEMO = str(REPO / "examples" / "configs" / "agent-demo.toml")
+
+
+def run(out, *args: str, timeout_s: float = 150):
+    saved, test_demo.DEMO_TIMEOUT_S = test_demo.DEMO_TIMEOUT_S, timeout_s
+    try:
+        return run_demo(out, *args)
+    finally:
+        test_demo.DEMO_TIMEOUT_S = saved
+
+
+def mean(records, key, default=0.0):
+    return sum(r.get(key, default) for r in records) / len(records)
+
+
+def test_the_agent_demo_learns_to_play_over_several_turns(tmp_path):
+    """The bundled multi-turn demo, shortened: the policy learns the game within 40 iterations."""
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "2", "--iterations", "40", "--", "--run.eval_interval=0")
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == list(range(1, 41))
+    first, last = records[:5], records[-5:]
+    assert mean(last, "reward_mean") > mean(first, "reward_mean") + 0.3, [r["reward_mean"] for r in records]
+    assert all(r["turns_mean"] > 1 for r in records) and all(r["env_errors"] == 0 for r in records)
+    assert mean(last, "truncated_fraction") < mean(first, "truncated_fraction")  # it wins more games
+    assert "solved" in result.stdout and "turns" in result.stdout
+    # The run dir is named after the config, not "demo".
+    assert re.search(r"elasticrl: 2 node\(s\) train a tiny policy on generated rows, env guess", result.stdout)
+
+
+def readme_env() -> str:
+    """The env example of the README's "Your own data and environments" section, as written."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Your own data and environments"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A tiny random Llama whose character tokenizer covers the bundled envs' pages."""
+    from elasticrl.rollout.tiny_llama import CHARS, write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny", vocab_size=72, chars=CHARS + '[]<>\n_"',
+                            max_position_embeddings=4096, hidden_size=32, num_hidden_layers=1)
+
+
+def hf_args(model) -> list[str]:
+    return [f"--model.kind=hf", f"--model.path={model}", "--engine.name=hf", "--trainer.lr=1e-3", "--trainer.warmup_steps=0",
+            "--task.group_size=2", "--run.eval_interval=0", "--trainer.updates_per_iteration=1"]
+
+
+def test_a_users_env_written_as_the_readme_says(tmp_path, hf_model):
+    source = readme_env()
+    assert "class MyEnv" in source and len(source.splitlines()) <= 25
+    (tmp_path / "my_env.py").write_text(source)
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "1", "--iterations", "3", "--",
+                 f"--env.name={tmp_path}/my_env.py:MyEnv", "--env.kwargs={}", "--env.max_turns=4",
+                 "--rollout.max_new_tokens=4", "--task.prompts_per_iteration=4", *hf_args(hf_model))
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert all(r["turns_mean"] == 2 and r["truncated_fraction"] == 0 and r["env_errors"] == 0 for r in records), records
+    assert "*2=" in records[-1]["example"]
+
+
+def test_a_dataset_of_200_rows_with_a_reward_that_reads_an_extra_column(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(200):
+        digits = "".join(rng.choice("0123456789") for _ in range(4))
+        rows.append({"prompt": f"{digits}=", "answer": digits[::-1], "id": i})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompt, completion, answer, **row):\n"
+        "    assert isinstance(row['id'], int)\n"
+        "    return sum(a == b for a, b in zip(completion, answer)) / max(len(answer), len(completion), 1)\n"
+    )
+    out = tmp_path / "run"
+    result = run(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "2", "--",
+                 "--task.kind=dataset", f"--task.path={data}", "--task.eval_fraction=0.1", "--run.eval_interval=2",
+                 f"--algorithm.rewards={tmp_path}/my_reward.py:score", "--trainer.warmup_steps=0",
+                 "--task.prompts_per_iteration=32", "--rollout.max_new_tokens=5")
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4] and all(0 <= r["reward_mean"] <= 1 for r in records)
+    assert "eval_reward" in records[1] and records[0]["turns_mean"] == 1
+    meta = json.loads((out / "checkpoints" / "iter-000004" / "meta.json").read_text())
+    # 180 training rows, 32 a step: after 4 iterations the next row is 128 of epoch 0.
+    assert meta["data_position"]["next_row"] == 128 and meta["data_position"]["rows_per_epoch"] == 180
+    assert re.search(r"train a tiny policy on dataset .*train.jsonl", result.stdout)
+
+
+def test_a_bad_row_stops_the_run_before_anything_starts(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "12="}\n{"prompt": 12}\n')
+    out = tmp_path / "run"
+    result = run(out, "--nodes", "1", "--", "--task.kind=dataset", f"--task.path={data}", "--trainer.warmup_steps=0",
+                 "--algorithm.rewards=exact_match")
+    assert result.returncode == 2, result.stdout
+    assert "train.jsonl: row 1 (0-based): key 'prompt' must be a string" in result.stdout, result.stdout
+    assert not (out / "logs").exists()  # no coordinator, no node
+
+
+SLOW_GUESS = '''
+import time
+from elasticrl.env.guess import GuessEnv
+
+class SlowGuess(GuessEnv):
+    def step(self, action):
+        time.sleep(0.02)
+        return super().step(action)
+'''
+
+
+def test_a_node_killed_mid_episode_loses_nothing_and_its_groups_are_played_again(tmp_path):
+    (tmp_path / "slow_guess.py").write_text(SLOW_GUESS)
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "3", "--iterations", "5", "--checkpoint-every", "2",
+                 "--kill-at", "3", "--kill-phase", "rollout", "--own-checkpoints", "--",
+                 f"--env.name={tmp_path}/slow_guess.py:SlowGuess", "--rollout.slots=2", "--task.prompts_per_iteration=24",
+                 "--run.eval_interval=0", timeout_s=200)
+    assert result.returncode == 0, result.stdout
+    found = re.search(r"killing node-2 \(SIGKILL, agent and worker\) during the rollout of iteration (\d)", result.stdout)
+    assert found, result.stdout
+    k = int(found.group(1))
+    by_iteration = {r["iteration"]: r for r in metrics(out)}
+    assert sorted(by_iteration) == [1, 2, 3, 4, 5] and by_iteration[5]["world_size"] == 2
+    (manifest_path,) = (out / "coordinator" / "trajectories").glob(f"*.rollout/{k:08d}/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["tasks_done"] == manifest["tasks_total"] == 24 and manifest["tasks_failed"] == 0, manifest
+    (victim,) = [n for n in manifest["nodes"] if n["node"] == "node-2-0"]
+    assert victim["done"] > 0  # its finished groups were kept
+    # The groups it was playing went back to the queue once each, and the survivors played them.
+    assert manifest["requeued"] == victim["assigned"] - victim["done"] > 0, manifest
+
+
+FLAKY = '''
+import itertools, threading, time
+from elasticrl.env.guess import GuessEnv
+
+_count = itertools.count(1)
+_lock = threading.Lock()
+
+class EveryFifthStepRaises(GuessEnv):
+    """Every 5th step taken in this process raises."""
+
+    def step(self, action):
+        with _lock:
+            n = next(_count)
+        if n % 5 == 0:
+            raise ConnectionError("the page did not load")
+        return super().step(action)
+
+
+class SleepsOnce(GuessEnv):
+    """The 3rd step of this process sleeps far past env.step_timeout_s."""
+
+    def step(self, action):
+        with _lock:
+            n = next(_count)
+        if n == 3:
+            time.sleep(5)
+        return super().step(action)
+'''
+
+
+def test_an_env_that_raises_every_5th_step_fails_only_those_groups(tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "2", "--iterations", "4", "--",
+                 f"--env.name={tmp_path}/flaky.py:EveryFifthStepRaises", "--env.max_turns=2", "--task.group_size=2",
+                 # Up to 4 steps an attempt: about half the groups fail twice and are dropped.
+                 "--rollout.min_fraction=0.1", "--task.prompts_per_iteration=16", "--run.eval_interval=0")
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert sum(r["env_errors"] for r in records) > 0 and sum(r["groups_failed"] for r in records) > 0
+    assert all(r["groups"] + r["groups_failed"] == 16 and r["groups"] >= 2 for r in records)
+    manifests = sorted((out / "coordinator" / "trajectories").glob("*.rollout/*/manifest.json"))
+    errors = [e for m in manifests for e in json.loads(m.read_text())["errors"]]
+    assert any("EveryFifthStepRaises.step() raised ConnectionError: the page did not load" in e for e in errors), errors
+
+
+def test_a_step_past_its_deadline_fails_its_episode_and_the_retry_succeeds(tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "2", "--iterations", "3", "--",
+                 f"--env.name={tmp_path}/flaky.py:SleepsOnce", "--env.step_timeout_s=0.5",
+                 "--task.prompts_per_iteration=8", "--task.group_size=4", "--run.eval_interval=0")
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert sum(r["env_errors"] for r in records) >= 1  # one stuck step per node process
+    assert all(r["groups_failed"] == 0 and r["groups"] == 8 for r in records)  # every retry succeeded
+    manifests = sorted((out / "coordinator" / "trajectories").glob("*.rollout/*/manifest.json"))
+    errors = [e for m in manifests for e in json.loads(m.read_text())["errors"]]
+    assert any("did not return within env.step_timeout_s = 0.5s" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("env, needle", [("web", "page: /"), ("search", "question: ")])
+def test_the_web_and_search_envs_run_end_to_end_with_the_hf_engine(tmp_path, hf_model, env, needle):
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "2", "--iterations", "2", "--",
+                 f"--env.name={env}", "--env.kwargs={}", "--env.max_turns=3", "--rollout.max_new_tokens=12",
+                 "--task.prompts_per_iteration=4", *hf_args(hf_model))
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(r["env_errors"] == 0 and r["groups"] == 4 and 1 <= r["turns_mean"] <= 3 for r in records), records
+    assert needle in records[0]["example"], records[0]["example"]
