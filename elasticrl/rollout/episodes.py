@@ -60,8 +60,11 @@ class EpisodeSettings:
     """How long the batcher waits for episodes still in their env before it generates anyway."""
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.episodes_in_flight < 1 or self.step_timeout_s <= 0 or self.max_context < 0:
-            raise ValueError(f"EpisodeSettings: {self} has a value out of range")
+        for name, ok in (("max_turns", self.max_turns >= 1), ("episodes_in_flight", self.episodes_in_flight >= 1),
+                         ("step_timeout_s", self.step_timeout_s > 0), ("max_context", self.max_context >= 0),
+                         ("linger_s", self.linger_s >= 0)):
+            if not ok:
+                raise ValueError(f"EpisodeSettings.{name}: {getattr(self, name)!r} is out of range (see its docstring)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,8 +198,9 @@ class EpisodeRunner:
         self._loop.run_forever()
 
     def play(self, tasks: Sequence[GroupTask]) -> list[GroupOutcome]:
-        """Play every group (blocking; callable from any thread, concurrently). An engine error
-        raises here after the other groups of this call are cancelled."""
+        """Play every group (blocking; callable from any thread, concurrently): one outcome per
+        group, in order. An engine error (every episode waiting for that batch gets it) raises
+        here once every group of this call has finished."""
         if self._closed:
             raise RuntimeError("the episode runner is closed")
         futures = [asyncio.run_coroutine_threadsafe(self._group(t), self._loop) for t in tasks]
@@ -254,6 +258,10 @@ class EpisodeRunner:
             env = await asyncio.wait_for(built, self.settings.step_timeout_s)
         except asyncio.TimeoutError:
             raise EnvError(f"building an env took longer than env.step_timeout_s = {self.settings.step_timeout_s:g}s") from None
+        except EnvError:
+            raise
+        except Exception as exc:  # a bare class as make_env: its constructor is the env's code
+            raise EnvError(f"building an env raised {type(exc).__name__}: {exc}") from exc
         return TurnLimit(env, self.settings.max_turns)
 
     def _discard_env(self, env: TurnLimit) -> None:

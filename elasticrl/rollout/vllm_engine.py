@@ -159,6 +159,9 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=enable_sleep_mode,
+            # Multi-turn episodes resend their whole, growing context every turn: with prefix
+            # caching only the new observation and action tokens are prefilled again.
+            enable_prefix_caching=True,
             dtype=dtype,
             seed=seed,
             enforce_eager=enforce_eager,
@@ -198,6 +201,14 @@ class VLLMEngine:
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def max_context(self) -> int | None:
+        """The engine's context length (``max_model_len``): the episode runner ends an episode as
+        truncated before it would overflow it. None if this vLLM does not expose it."""
+        config = getattr(getattr(self._llm, "llm_engine", None), "model_config", None)
+        value = getattr(config, "max_model_len", None)
+        return int(value) if isinstance(value, int) else None
 
     @property
     def is_sleeping(self) -> bool:

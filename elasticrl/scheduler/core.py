@@ -613,5 +613,7 @@ class SchedulerCore:
                 f"iteration: the groups of iteration {iteration} of run {run_id!r} are gone: an in-memory "
                 f"coordinator keeps only the newest {KEEP_SEALED_GROUPS} sealed iterations (use --state-dir)"
             )
+        # Balanced by every token of every episode, observations included: the update's forward
+        # and backward passes cost all of them, trained (loss mask 1) or not.
         plan = policy.balance_shards([(t.spec.task_id, t.seq, it.groups[t.spec.task_id].num_tokens) for t in done], world_size)
         return [(it.groups[task_id], it.tasks[task_id]) for task_id in plan[rank]]

@@ -113,6 +113,34 @@ def test_a_dataset_of_200_rows_with_a_reward_that_reads_an_extra_column(tmp_path
     assert meta["data_position"]["next_row"] == 128 and meta["data_position"]["rows_per_epoch"] == 180
     assert re.search(r"train a tiny policy on dataset .*train.jsonl", result.stdout)
 
+    # Resumed from that checkpoint (a new run id, the same coordinator state): iterations 5 and 6
+    # take the next rows, so the first 180 positions are every training row exactly once.
+    again = run(out, "--nodes", "1", "--iterations", "6", "--checkpoint-every", "2", "--",
+                "--task.kind=dataset", f"--task.path={data}", "--task.eval_fraction=0.1", "--run.eval_interval=0",
+                f"--algorithm.rewards={tmp_path}/my_reward.py:score", "--trainer.warmup_steps=0",
+                "--task.prompts_per_iteration=32", "--rollout.max_new_tokens=5")
+    assert again.returncode == 0 and "resumed from iteration 4" in again.stdout, again.stdout
+    trained = rows_of_train_tasks(out / "coordinator" / "coordinator.sqlite")
+    assert sorted(trained) == list(range(1, 7)) and all(len(ids) == 32 for ids in trained.values())
+    order = [i for it in sorted(trained) for i in trained[it]]
+    held_out = {r["id"] for r in rows} - set(order)
+    assert len(held_out) == 20 and sorted(order[:180]) == sorted(set(range(200)) - held_out)
+    assert len(set(order[180:])) == 12 and not set(order[180:]) & held_out  # epoch 2 has begun
+
+
+def rows_of_train_tasks(db_path) -> dict[int, list[int]]:
+    """Iteration -> the dataset ``id`` of each training task, from the coordinator's SQLite state."""
+    import sqlite3
+
+    with sqlite3.connect(db_path) as db:
+        specs = db.execute("SELECT iteration, spec FROM sched_tasks ORDER BY iteration, seq").fetchall()
+    out: dict[int, list[int]] = {}
+    for iteration, spec in specs:
+        spec = json.loads(spec)
+        if spec["split"] == "train":
+            out.setdefault(iteration, []).append(json.loads(spec["metadata_json"])["row"]["id"])
+    return out
+
 
 def test_a_bad_row_stops_the_run_before_anything_starts(tmp_path):
     data = tmp_path / "train.jsonl"
@@ -176,6 +204,11 @@ class EveryFifthStepRaises(GuessEnv):
         return super().step(action)
 
 
+class AlwaysRaises(GuessEnv):
+    def step(self, action):
+        raise KeyError("no such element: #search-box")
+
+
 class SleepsOnce(GuessEnv):
     """The 3rd step of this process sleeps far past env.step_timeout_s."""
 
@@ -205,6 +238,22 @@ def test_an_env_that_raises_every_5th_step_fails_only_those_groups(tmp_path):
     assert any("EveryFifthStepRaises.step() raised ConnectionError: the page did not load" in e for e in errors), errors
 
 
+def test_an_env_that_fails_every_episode_stops_the_run_with_its_error(tmp_path):
+    import time
+
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "1", "--iterations", "3", "--",
+                 f"--env.name={tmp_path}/flaky.py:AlwaysRaises", "--task.prompts_per_iteration=4", "--run.eval_interval=0")
+    assert result.returncode != 0, result.stdout
+    assert time.monotonic() - started < 100  # not rollout.seal_timeout_s (600 s)
+    log = (out / "logs" / "node-0.log").read_text()
+    assert "4 of 4 groups failed in their environment" in log, log[-3000:]
+    assert "AlwaysRaises.step() raised KeyError: 'no such element: #search-box'" in log, log[-3000:]
+    assert not (out / "metrics.jsonl").exists()
+
+
 def test_a_step_past_its_deadline_fails_its_episode_and_the_retry_succeeds(tmp_path):
     (tmp_path / "flaky.py").write_text(FLAKY)
     out = tmp_path / "run"
@@ -232,3 +281,66 @@ def test_the_web_and_search_envs_run_end_to_end_with_the_hf_engine(tmp_path, hf_
     assert [r["iteration"] for r in records] == [1, 2]
     assert all(r["env_errors"] == 0 and r["groups"] == 4 and 1 <= r["turns_mean"] <= 3 for r in records), records
     assert needle in records[0]["example"], records[0]["example"]
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_messages_rendered_with_the_models_template_over_several_turns(tmp_path):
+    """A dataset of chat messages (messages_key), task.chat_template = true, the hf engine, and a
+    multi-turn env: the rows' system prompt opens every episode, the env's answers come in as user
+    turns rendered by the template, and the model's end-of-turn token (<|im_end|>) ends each action."""
+    from elasticrl.rollout.tiny_llama import CHARS, write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "chat", vocab_size=80, chars=CHARS + "\n", extra_tokens=("<|im_start|>", "<|im_end|>"),
+                             chat_template=CHATML, max_position_embeddings=2048, hidden_size=32, num_hidden_layers=1)
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["eos_token_id"] = [5, 2]  # <|im_end|> (after the 4 specials and <|im_start|>) ends a turn
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    rows = [{"messages": [{"role": "system", "content": "answer with a number."}, {"role": "user", "content": f"{i}+1=?"}],
+             "answer": str(i + 1)} for i in range(8)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "chat_env.py").write_text(
+        "class Chat:\n"
+        "    def reset(self, seed=None, options=None):\n"
+        "        self.answer, self.turn = options['answer'], 0\n"
+        "        return options['messages'], {}\n"
+        "    def step(self, action):\n"
+        "        self.turn += 1\n"
+        "        if action.strip() == self.answer or self.turn == 2:\n"
+        "            return '', float(action.strip() == self.answer), True, False, {}\n"
+        "        return 'try again.', 0.0, False, False, {}\n"
+    )
+    out = tmp_path / "run"
+    result = run(out, "--config", AGENT_DEMO, "--nodes", "1", "--iterations", "2", "--",
+                 "--task.kind=dataset", f"--task.path={data}", "--task.chat_template=true", "--task.messages_key=messages",
+                 f"--env.name={tmp_path}/chat_env.py:Chat", "--env.kwargs={}", "--rollout.max_new_tokens=6",
+                 "--task.prompts_per_iteration=4", *hf_args(model))
+    assert result.returncode == 0, result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2] and all(r["env_errors"] == 0 for r in records), records
+    assert all(1 <= r["turns_mean"] <= 2 for r in records)
+    assert "system: answer with a number." in records[0]["example"], records[0]["example"]
+    # The stored episodes: the template's tokens, masked out; the actions, trained.
+    from transformers import AutoTokenizer
+
+    from elasticrl.scheduler.store import decode_shard
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    samples = [s for shard in sorted((out / "coordinator" / "trajectories").glob("*.rollout/00000001/shard-*"))
+               for g, _ in decode_shard(shard.read_bytes()) for s in g.samples]
+    assert len(samples) == 4 * 2
+    for sample in samples:
+        ids, mask = sample.token_ids(), sample.mask_list()
+        text = tok.decode(ids)
+        assert re.match(r"<\|im_start\|>system\nanswer with a number\.<\|im_end\|>\n<\|im_start\|>user\n\d\+1=\?<\|im_end\|>\n"
+                        r"<\|im_start\|>assistant\n", text), text
+        masked = tok.decode([t for t, m in zip(ids, mask) if m == 0])
+        assert "<|im_start|>assistant\n" in masked and all(t not in tok.convert_tokens_to_ids(["<|im_start|>"]) or m == 0
+                                                             for t, m in zip(ids, mask))
+        if sample.turns == 2:  # the env's answer came in as a user turn, rendered by the template
+            assert "<|im_start|>user\ntry again.<|im_end|>\n<|im_start|>assistant\n" in masked, masked

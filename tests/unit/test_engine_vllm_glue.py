@@ -169,7 +169,11 @@ def test_llm_is_built_for_rl(fake_vllm):
     assert kw["enable_sleep_mode"] is True and kw["worker_extension_cls"] == WORKER_EXTENSION
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["skip_tokenizer_init"] is False
     assert kw["enforce_eager"] is True  # llm_kwargs override
+    assert kw["enable_prefix_caching"] is True  # episodes resend their growing context every turn
     assert eng.eos_token_ids == (2, 5) and eng.tokenizer == "tokenizer"
+    assert eng.max_context is None  # this fake exposes no model config
+    eng.llm.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=4096))
+    assert eng.max_context == 4096
 
 
 def test_generate_maps_sampling_specs_and_reads_outputs(fake_vllm):
