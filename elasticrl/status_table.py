@@ -77,6 +77,9 @@ def render_iteration(m: dict) -> str:
         f"{m['requeued']}  refused {refused} (duplicate {m['refused_duplicate']}, fenced {m['refused_fenced']}, "
         f"sealed {m['refused_sealed']})  tokens {m['tokens']}"
     )
+    if m.get("tasks_failed") or m.get("env_errors"):
+        last = m["errors"][-1] if m.get("errors") else ""
+        head += f"\n  env errors {m['env_errors']}, {m['tasks_failed']} task(s) given up" + (f"; last: {last}" if last else "")
     rows = [
         [
             n["node"], str(n["slots"] or "-"), str(n["running"]), str(n["done"]), str(n["assigned"]),

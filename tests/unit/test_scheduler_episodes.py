@@ -152,3 +152,6 @@ def test_the_manifest_carries_failures_over_the_wire(tmp_path):
     assert manifest_from_pb(manifest_to_pb(m)) == m
     on_disk = json.loads((h.store.iteration_dir(RUN, 1) / MANIFEST).read_text())
     assert (on_disk["tasks_failed"], on_disk["env_errors"], on_disk["errors"]) == (1, 2, ["env raised"])
+    from elasticrl.status_table import render_iteration
+
+    assert "env errors 2, 1 task(s) given up; last: env raised" in render_iteration(m)  # `elasticrl status`
