@@ -500,8 +500,9 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
         f"  reward       {mean(head, 'reward_mean'):.3f} -> {mean(tail, 'reward_mean'):.3f}"
         f"  (mean of the first / last {len(tail)} iterations)"
     )
-    print(f"  reward = 1   {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples (exact match, solved)")
-    if any(r.get("turns_mean", 1.0) > 1 for r in records):
+    if not any(r.get("turns_mean", 1.0) > 1 for r in records):
+        print(f"  exact match  {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples (reward 1)")
+    else:
         print(f"  solved       {1 - mean(head, 'truncated_fraction'):.0%} -> {1 - mean(tail, 'truncated_fraction'):.0%} of episodes"
               " (the env terminated them; the rest ran out of turns or context)")
         print(f"  turns        {mean(head, 'turns_mean', 1.0):.2f} -> {mean(tail, 'turns_mean', 1.0):.2f} per episode"
