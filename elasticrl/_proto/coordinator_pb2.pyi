@@ -104,7 +104,7 @@ class MemberInfo(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., host: _Optional[str] = ..., weight: _Optional[float] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[MemberState, str]] = ..., lease_left_ms: _Optional[int] = ..., joined_epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "member_id", "host", "weight", "capabilities", "lease_ttl_ms")
+    __slots__ = ("run_id", "member_id", "host", "weight", "capabilities", "lease_ttl_ms", "request_id")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,13 +118,15 @@ class JoinRequest(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     member_id: str
     host: str
     weight: float
     capabilities: _containers.ScalarMap[str, str]
     lease_ttl_ms: int
-    def __init__(self, run_id: _Optional[str] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., weight: _Optional[float] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, run_id: _Optional[str] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., weight: _Optional[float] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("member", "epoch", "lease_ttl_ms")
@@ -153,14 +155,16 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("run_id", "member", "reason")
+    __slots__ = ("run_id", "member", "reason", "request_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     member: MemberRef
     reason: str
-    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("epoch",)
@@ -257,12 +261,16 @@ class BarrierInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., arrived: _Optional[_Iterable[str]] = ..., waiting_for: _Optional[_Iterable[str]] = ..., age_ms: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class KVSetRequest(_message.Message):
-    __slots__ = ("run_id", "pairs")
+    __slots__ = ("run_id", "pairs", "request_id", "member")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     pairs: _containers.RepeatedCompositeFieldContainer[KVPair]
-    def __init__(self, run_id: _Optional[str] = ..., pairs: _Optional[_Iterable[_Union[KVPair, _Mapping]]] = ...) -> None: ...
+    request_id: str
+    member: MemberRef
+    def __init__(self, run_id: _Optional[str] = ..., pairs: _Optional[_Iterable[_Union[KVPair, _Mapping]]] = ..., request_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ...) -> None: ...
 
 class KVPair(_message.Message):
     __slots__ = ("key", "value")
@@ -295,16 +303,20 @@ class KVGetResponse(_message.Message):
     def __init__(self, values: _Optional[_Iterable[bytes]] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVCompareSetRequest(_message.Message):
-    __slots__ = ("run_id", "key", "expected", "desired")
+    __slots__ = ("run_id", "key", "expected", "desired", "request_id", "member")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     key: bytes
     expected: bytes
     desired: bytes
-    def __init__(self, run_id: _Optional[str] = ..., key: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ...) -> None: ...
+    request_id: str
+    member: MemberRef
+    def __init__(self, run_id: _Optional[str] = ..., key: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ...) -> None: ...
 
 class KVCompareSetResponse(_message.Message):
     __slots__ = ("value", "swapped")
@@ -315,14 +327,18 @@ class KVCompareSetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., swapped: _Optional[bool] = ...) -> None: ...
 
 class KVAddRequest(_message.Message):
-    __slots__ = ("run_id", "key", "delta")
+    __slots__ = ("run_id", "key", "delta", "request_id", "member")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     key: bytes
     delta: int
-    def __init__(self, run_id: _Optional[str] = ..., key: _Optional[bytes] = ..., delta: _Optional[int] = ...) -> None: ...
+    request_id: str
+    member: MemberRef
+    def __init__(self, run_id: _Optional[str] = ..., key: _Optional[bytes] = ..., delta: _Optional[int] = ..., request_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ...) -> None: ...
 
 class KVAddResponse(_message.Message):
     __slots__ = ("value",)
@@ -331,12 +347,16 @@ class KVAddResponse(_message.Message):
     def __init__(self, value: _Optional[int] = ...) -> None: ...
 
 class KVDeleteRequest(_message.Message):
-    __slots__ = ("run_id", "key")
+    __slots__ = ("run_id", "key", "request_id", "member")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     key: bytes
-    def __init__(self, run_id: _Optional[str] = ..., key: _Optional[bytes] = ...) -> None: ...
+    request_id: str
+    member: MemberRef
+    def __init__(self, run_id: _Optional[str] = ..., key: _Optional[bytes] = ..., request_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ...) -> None: ...
 
 class KVDeleteResponse(_message.Message):
     __slots__ = ("deleted",)

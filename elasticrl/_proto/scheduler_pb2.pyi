@@ -105,7 +105,7 @@ class TrajectoryGroup(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., task_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., gen_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ..., node: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., split: _Optional[_Union[Split, str]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class SubmitIterationRequest(_message.Message):
-    __slots__ = ("run_id", "iteration", "tasks", "policy", "deadline_ms", "min_fraction", "task_lease_ms", "backup_tasks", "max_task_failures")
+    __slots__ = ("run_id", "iteration", "tasks", "policy", "deadline_ms", "min_fraction", "task_lease_ms", "backup_tasks", "max_task_failures", "request_id", "member")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class SubmitIterationRequest(_message.Message):
     TASK_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_TASKS_FIELD_NUMBER: _ClassVar[int]
     MAX_TASK_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     iteration: int
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
@@ -124,7 +126,9 @@ class SubmitIterationRequest(_message.Message):
     task_lease_ms: int
     backup_tasks: int
     max_task_failures: int
-    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., deadline_ms: _Optional[int] = ..., min_fraction: _Optional[float] = ..., task_lease_ms: _Optional[int] = ..., backup_tasks: _Optional[int] = ..., max_task_failures: _Optional[int] = ...) -> None: ...
+    request_id: str
+    member: _coordinator_pb2.MemberRef
+    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., deadline_ms: _Optional[int] = ..., min_fraction: _Optional[float] = ..., task_lease_ms: _Optional[int] = ..., backup_tasks: _Optional[int] = ..., max_task_failures: _Optional[int] = ..., request_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ...) -> None: ...
 
 class SubmitIterationResponse(_message.Message):
     __slots__ = ("created", "num_tasks")
@@ -147,10 +151,12 @@ class WorkerHello(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "batch_id")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
-    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
+    batch_id: str
+    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., batch_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseTasks(_message.Message):
     __slots__ = ("iteration", "task_ids", "reason", "failed", "env_errors")

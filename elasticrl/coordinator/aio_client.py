@@ -70,6 +70,7 @@ class AsyncCoordinatorClient:
         retried on UNAVAILABLE for at most ``retry_s``."""
         fn = getattr(stub or self._stub, method)
         deadline = self.call_timeout_s if timeout_s is None else timeout_s
+        wire.stamp_request_id(request)
         try:
             # The first attempt bypasses tenacity: building its retry state costs ~30 us a call,
             # which is most of a barrier's per-member client cost when one process hosts many.

@@ -137,6 +137,7 @@ class CoordinatorClient:
         fn = getattr(stub or self._stub, method)
         deadline = self.call_timeout_s if timeout_s is None else timeout_s
         budget = self.reconnect_timeout_s if retry_s is None else retry_s
+        wire.stamp_request_id(request)
 
         def once():
             return fn(request, timeout=deadline, metadata=self._metadata)
@@ -240,8 +241,11 @@ class CoordinatorClient:
 
     # -- key-value ---------------------------------------------------------------------------
 
-    def kv_set(self, run_id: str, pairs: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> None:
-        self._call("KVSet", wire.kv_set_request(run_id, pairs))
+    # ``writer`` (member id, incarnation) on a write fences it: refused once that incarnation is
+    # not live. Leave it None where the caller is not a member.
+
+    def kv_set(self, run_id: str, pairs: dict[bytes, bytes] | list[tuple[bytes, bytes]], *, writer: tuple[str, int] | None = None) -> None:
+        self._call("KVSet", wire.kv_set_request(run_id, pairs, writer))
 
     def kv_get(self, run_id: str, keys: list[bytes]) -> list[bytes | None]:
         """Current values; None for a missing key. Never waits."""
@@ -262,15 +266,18 @@ class CoordinatorClient:
                 if time.monotonic() >= give_up:
                     raise
 
-    def kv_compare_set(self, run_id: str, key: bytes, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
-        resp = self._call("KVCompareSet", pb.KVCompareSetRequest(run_id=run_id, key=key, expected=expected, desired=desired))
+    def kv_compare_set(
+        self, run_id: str, key: bytes, expected: bytes, desired: bytes, *, writer: tuple[str, int] | None = None,
+    ) -> tuple[bytes, bool]:
+        request = pb.KVCompareSetRequest(run_id=run_id, key=key, expected=expected, desired=desired, **wire.writer_ref(writer))
+        resp = self._call("KVCompareSet", request)
         return resp.value, resp.swapped
 
-    def kv_add(self, run_id: str, key: bytes, delta: int) -> int:
-        return self._call("KVAdd", pb.KVAddRequest(run_id=run_id, key=key, delta=delta)).value
+    def kv_add(self, run_id: str, key: bytes, delta: int, *, writer: tuple[str, int] | None = None) -> int:
+        return self._call("KVAdd", pb.KVAddRequest(run_id=run_id, key=key, delta=delta, **wire.writer_ref(writer))).value
 
-    def kv_delete(self, run_id: str, key: bytes) -> bool:
-        return self._call("KVDelete", pb.KVDeleteRequest(run_id=run_id, key=key)).deleted
+    def kv_delete(self, run_id: str, key: bytes, *, writer: tuple[str, int] | None = None) -> bool:
+        return self._call("KVDelete", pb.KVDeleteRequest(run_id=run_id, key=key, **wire.writer_ref(writer))).deleted
 
     def kv_num_keys(self, run_id: str) -> int:
         return self._call("KVNumKeys", pb.KVNumKeysRequest(run_id=run_id)).count

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from elasticrl.coordinator import policy
 from elasticrl.coordinator.metrics import Metrics
 from elasticrl.coordinator.persist import StateDB
+from elasticrl.coordinator.replies import DEFAULT_KEEP, Replies
 from elasticrl.coordinator.state import (
     Barrier,
     BarrierResult,
@@ -95,6 +96,7 @@ class CoordinatorCore:
         clock: Callable[[], float] = time.monotonic,
         limits: Limits | None = None,
         metrics: Metrics | None = None,
+        keep_request_ids: int = DEFAULT_KEEP,
     ):
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
@@ -106,6 +108,7 @@ class CoordinatorCore:
         # Counted into whether or not an endpoint serves it (a few dict updates per decision).
         self.metrics = metrics if metrics is not None else Metrics(clock)
         self.runs: dict[str, Run] = db.load(clock())
+        self.replies = Replies(db.connection, keep=keep_request_ids)
         self._barrier_events: dict[tuple[str, str], asyncio.Event] = {}
         # Per open barrier, a superset of the expected members that are live and have not arrived
         # (built on first use, shrunk per arrival): lets an arrival skip the O(N) decision.
@@ -171,8 +174,13 @@ class CoordinatorCore:
         weight: float = 1.0,
         capabilities: dict[str, str] | None = None,
         lease_ttl_s: float = 0.0,
+        request_id: str = "",
     ) -> tuple[Member, int]:
-        """Admit a new incarnation of ``member_id``; a previous live one is evicted (fenced)."""
+        """Admit a new incarnation of ``member_id``; a previous live one is evicted (fenced).
+        A retried join (same ``request_id``) gets the incarnation its first attempt created."""
+        done = self.replies.get(request_id, "join")
+        if done is not None:
+            return self._joined(run_id, member_id, done), done["epoch"]
         run = self._run_or_new(run_id)
         if run.closed:
             raise RunClosedError(f"run {run_id!r} is closed ({run.close_reason}); start a new run id")
@@ -200,6 +208,9 @@ class CoordinatorCore:
             )
             db.put_run(run, epoch=epoch)
             db.put_member(run_id, member)
+            reply = {"incarnation": incarnation, "epoch": epoch, "ttl": ttl}
+            self.replies.record(request_id, "join", reply)
+        self.replies.remember(request_id, "join", reply)
         if replaced:
             self._mark_gone(run, old, MemberStatus.EVICTED, f"replaced by incarnation {incarnation}")
             self.metrics.evictions.inc(run=run_id, reason="replaced")
@@ -214,6 +225,19 @@ class CoordinatorCore:
         self._after_membership_change(run)
         return member, epoch
 
+    def _joined(self, run_id: str, member_id: str, reply: dict) -> Member:
+        """The member a stored join created: itself while it is current, else its record as it was
+        (its calls will be fenced, as they would have been without the retry)."""
+        run = self.runs.get(run_id)
+        m = run.members.get(member_id) if run is not None else None
+        if m is not None and m.incarnation == reply["incarnation"]:
+            return m
+        return Member(
+            member_id=member_id, incarnation=reply["incarnation"], host="", weight=1.0, capabilities={},
+            joined_epoch=reply["epoch"], lease_ttl_s=reply["ttl"], lease_deadline=0.0,
+            status=MemberStatus.EVICTED, reason="replaced by a newer incarnation",
+        )
+
     def check_member(self, run_id: str, member_id: str, incarnation: int) -> Member:
         """The live member ``member_id`` with exactly ``incarnation``, else NotFound/Fenced."""
         return self._fence(self._run(run_id), member_id, incarnation)
@@ -224,18 +248,27 @@ class CoordinatorCore:
         m.lease_deadline = self.clock() + m.lease_ttl_s  # leases are not persisted: see persist.load
         return run.epoch, m.lease_ttl_s
 
-    def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "") -> int:
+    def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "", *, request_id: str = "") -> int:
+        done = self.replies.get(request_id, "leave")
+        if done is not None:
+            return done["epoch"]
         run = self._run(run_id)
         m = self._fence(run, member_id, incarnation)
-        self._remove(run, m, MemberStatus.LEFT, reason or "left")
+        self._remove(run, m, MemberStatus.LEFT, reason or "left", reply=(request_id, "leave"))
         self.metrics.leaves.inc(run=run_id)
         return run.epoch
 
-    def _remove(self, run: Run, m: Member, status: MemberStatus, reason: str) -> None:
-        """Evict or retire a live member: persist, bump the epoch, release whoever it blocked."""
+    def _remove(
+        self, run: Run, m: Member, status: MemberStatus, reason: str, *, reply: tuple[str, str] = ("", ""),
+    ) -> None:
+        """Evict or retire a live member: persist, bump the epoch, then release whatever it blocked
+        (every open barrier and the pending round are decided again, whatever the cause).
+        ``reply``: (request id, kind) of the call whose retries get the new epoch back."""
         with self.db.tx() as db:
             db.put_member(run.run_id, m, status=status, reason=reason)
             db.put_run(run, epoch=run.epoch + 1)
+            self.replies.record(*reply, {"epoch": run.epoch + 1})
+        self.replies.remember(*reply, {"epoch": run.epoch + 1})
         run.epoch += 1
         self._mark_gone(run, m, status, reason)
         self._after_membership_change(run)
@@ -346,11 +379,19 @@ class CoordinatorCore:
         decision = policy.decide_barrier(barrier, run, self.clock())
         if decision.result is None:
             return
-        for mid in decision.evict:
-            self._remove_for_barrier(run, mid, barrier)
-        with self.db.tx() as db:
+        late = [run.members[mid] for mid in decision.evict]
+        late_reason = f"missed barrier {barrier.name!r} (timeout {barrier.timeout_s:.3f}s)"
+        with self.db.tx() as db:  # the evictions and the result commit together, or neither does
+            for m in late:
+                db.put_member(run.run_id, m, status=MemberStatus.EVICTED, reason=late_reason)
+            if late:
+                db.put_run(run, epoch=run.epoch + len(late))
             db.put_barrier(run.run_id, barrier, decision.result)
             db.delete_arrivals(run.run_id, barrier.name)
+        for m in late:
+            run.epoch += 1
+            self._mark_gone(run, m, MemberStatus.EVICTED, late_reason)
+            self.metrics.evictions.inc(run=run.run_id, reason="missed_barrier")
         barrier.result = decision.result
         run.open_barriers.pop(barrier.name, None)
         self.metrics.barriers_decided.inc(run=run.run_id, outcome=decision.result.outcome.value)
@@ -363,31 +404,48 @@ class CoordinatorCore:
         event = self._barrier_events.pop((run.run_id, barrier.name), None)
         if event is not None:
             event.set()
-
-    def _remove_for_barrier(self, run: Run, member_id: str, barrier: Barrier) -> None:
-        m = run.members[member_id]
-        reason = f"missed barrier {barrier.name!r} (timeout {barrier.timeout_s:.3f}s)"
-        with self.db.tx() as db:
-            db.put_member(run.run_id, m, status=MemberStatus.EVICTED, reason=reason)
-            db.put_run(run, epoch=run.epoch + 1)
-        run.epoch += 1
-        self._mark_gone(run, m, MemberStatus.EVICTED, reason)
-        self.metrics.evictions.inc(run=run.run_id, reason="missed_barrier")
+        if late:  # an eviction, whatever its cause, re-decides every other open barrier at once
+            self._after_membership_change(run)
 
     # -- key-value store ---------------------------------------------------------------------
 
-    def kv_set(self, run_id: str, pairs: list[tuple[bytes, bytes]]) -> None:
-        run = self._run_or_new(run_id)
+    def _kv_writer(self, run_id: str, writer: tuple[str, int] | None) -> Run:
+        """The run a KV write goes to; ``writer`` (member id, incarnation), when given, must be
+        live: a fenced zombie's writes are refused. Without it anyone may write (torch Stores)."""
+        if writer is None:
+            return self._run_or_new(run_id)
+        run = self._run(run_id)
+        self._fence(run, *writer)
+        return run
+
+    def kv_set(
+        self, run_id: str, pairs: list[tuple[bytes, bytes]], *, request_id: str = "", writer: tuple[str, int] | None = None,
+    ) -> None:
+        if self.replies.get(request_id, "kv_set") is not None:
+            return
+        self._kv_write(self._kv_writer(run_id, writer), pairs, (request_id, "kv_set", {}))
+
+    def _kv_write(self, run: Run, pairs: list[tuple[bytes, bytes]], reply: tuple[str, str, object]) -> None:
         pairs = list(dict(pairs).items())  # the last value of a repeated key wins, counted once
         grow = sum(len(k) + len(v) - (len(k) + len(run.kv[k]) if k in run.kv else 0) for k, v in pairs)
         self._check_kv_room(run, grow)
         with self.db.tx() as db:
             db.put_run(run)
-            db.put_kv(run_id, pairs)
+            db.put_kv(run.run_id, pairs)
+            self.replies.record(*reply)
+        self.replies.remember(*reply)
         for k, v in pairs:
             run.kv[k] = v
         run.kv_bytes += grow
-        self._notify_kv(run_id)
+        self._notify_kv(run.run_id)
+
+    def _kv_reply(self, request_id: str, kind: str, result) -> None:
+        """Store the answer of a KV call that changed nothing (a compare-set that did not swap),
+        so its retry does not apply where the first attempt did not."""
+        if request_id:
+            with self.db.tx():
+                self.replies.record(request_id, kind, result)
+            self.replies.remember(request_id, kind, result)
 
     def _check_kv_room(self, run: Run, grow: int) -> None:
         if run.kv_bytes + grow > self.limits.max_kv_bytes_per_run:
@@ -422,17 +480,28 @@ class CoordinatorCore:
             except asyncio.TimeoutError:
                 pass
 
-    def kv_compare_set(self, run_id: str, key: bytes, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
+    def kv_compare_set(
+        self, run_id: str, key: bytes, expected: bytes, desired: bytes, *,
+        request_id: str = "", writer: tuple[str, int] | None = None,
+    ) -> tuple[bytes, bool]:
         """torch.distributed.Store semantics (see the proto comment)."""
-        run = self._run_or_new(run_id)
+        done = self.replies.get(request_id, "kv_compare_set")
+        if done is not None:
+            return bytes.fromhex(done["value"]), done["swapped"]
+        run = self._kv_writer(run_id, writer)
         current = run.kv.get(key)
         if (current is None and expected == b"") or (current is not None and current == expected):
-            self.kv_set(run_id, [(key, desired)])
+            self._kv_write(run, [(key, desired)], (request_id, "kv_compare_set", {"value": desired.hex(), "swapped": True}))
             return desired, True
-        return (expected if current is None else current), False
+        value = expected if current is None else current
+        self._kv_reply(request_id, "kv_compare_set", {"value": value.hex(), "swapped": False})
+        return value, False
 
-    def kv_add(self, run_id: str, key: bytes, delta: int) -> int:
-        run = self._run_or_new(run_id)
+    def kv_add(self, run_id: str, key: bytes, delta: int, *, request_id: str = "", writer: tuple[str, int] | None = None) -> int:
+        done = self.replies.get(request_id, "kv_add")
+        if done is not None:
+            return done["value"]
+        run = self._kv_writer(run_id, writer)
         current = run.kv.get(key, b"0")
         try:
             value = int(current) + delta
@@ -442,15 +511,23 @@ class CoordinatorCore:
             ) from None
         if not -(2**63) <= value < 2**63:
             raise InvalidRequestError(f"delta: {key!r} would overflow int64 ({value})")
-        self.kv_set(run_id, [(key, str(value).encode())])
+        self._kv_write(run, [(key, str(value).encode())], (request_id, "kv_add", {"value": value}))
         return value
 
-    def kv_delete(self, run_id: str, key: bytes) -> bool:
+    def kv_delete(self, run_id: str, key: bytes, *, request_id: str = "", writer: tuple[str, int] | None = None) -> bool:
+        done = self.replies.get(request_id, "kv_delete")
+        if done is not None:
+            return done["deleted"]
+        if writer is not None:
+            self._kv_writer(run_id, writer)
         run = self.runs.get(run_id)
         if run is None or key not in run.kv:
+            self._kv_reply(request_id, "kv_delete", {"deleted": False})
             return False
         with self.db.tx() as db:
             db.delete_kv(run_id, key)
+            self.replies.record(request_id, "kv_delete", {"deleted": True})
+        self.replies.remember(request_id, "kv_delete", {"deleted": True})
         run.kv_bytes -= len(key) + len(run.kv.pop(key))
         return True
 

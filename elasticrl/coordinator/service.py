@@ -20,6 +20,7 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, validate as v
 from elasticrl.coordinator.core import CoordinatorCore, Event
+from elasticrl.coordinator.replies import request_id
 from elasticrl.coordinator.state import Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy
 from elasticrl.errors import ElasticRLError, InternalError, InvalidRequestError
 
@@ -93,6 +94,16 @@ def guarded(handler):
 
 def _member_ref(field: str, ref: pb.MemberRef) -> tuple[str, int]:
     return v.ident(f"{field}.member_id", ref.member_id), v.incarnation(f"{field}.incarnation", ref.incarnation)
+
+
+def optional_member(field: str, request) -> tuple[str, int] | None:
+    """The ``MemberRef`` of a request where it is optional: None when unset."""
+    return _member_ref(field, getattr(request, field)) if request.HasField(field) else None
+
+
+def _write_opts(request) -> dict:
+    """A KV write's idempotency key and optional writer (see the conventions in coordinator.proto)."""
+    return {"request_id": request_id("request_id", request.request_id), "writer": optional_member("member", request)}
 
 
 def member_info(core: CoordinatorCore, m: Member) -> pb.MemberInfo:
@@ -179,6 +190,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight=v.weight("weight", request.weight),
             capabilities=v.capabilities("capabilities", dict(request.capabilities)),
             lease_ttl_s=v.duration_ms("lease_ttl_ms", request.lease_ttl_ms, low=v.MIN_LEASE_TTL_MS, high=v.MAX_LEASE_TTL_MS),
+            request_id=request_id("request_id", request.request_id),
         )
         return pb.JoinResponse(
             member=pb.MemberRef(member_id=member.member_id, incarnation=member.incarnation),
@@ -200,7 +212,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         mid, inc = _member_ref("member", request.member)
         reason = v.text("reason", request.reason, v.MAX_REASON_LEN)
-        return pb.LeaveResponse(epoch=self.core.leave(v.ident("run_id", request.run_id), mid, inc, reason))
+        rid = request_id("request_id", request.request_id)
+        return pb.LeaveResponse(epoch=self.core.leave(v.ident("run_id", request.run_id), mid, inc, reason, request_id=rid))
 
     async def Watch(self, request: pb.WatchRequest, context):
         try:
@@ -358,7 +371,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             (v.key(f"pairs[{i}].key", p.key), v.value(f"pairs[{i}].value", p.value))
             for i, p in enumerate(v.batch("pairs", request.pairs))
         ]
-        self.core.kv_set(v.ident("run_id", request.run_id), pairs)
+        self.core.kv_set(v.ident("run_id", request.run_id), pairs, **_write_opts(request))
         return pb.KVSetResponse()
 
     @guarded
@@ -378,17 +391,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             v.key("key", request.key),
             v.value("expected", request.expected),
             v.value("desired", request.desired),
+            **_write_opts(request),
         )
         return pb.KVCompareSetResponse(value=value, swapped=swapped)
 
     @guarded
     async def KVAdd(self, request: pb.KVAddRequest, context) -> pb.KVAddResponse:
-        value = self.core.kv_add(v.ident("run_id", request.run_id), v.key("key", request.key), request.delta)
+        value = self.core.kv_add(v.ident("run_id", request.run_id), v.key("key", request.key), request.delta, **_write_opts(request))
         return pb.KVAddResponse(value=value)
 
     @guarded
     async def KVDelete(self, request: pb.KVDeleteRequest, context) -> pb.KVDeleteResponse:
-        deleted = self.core.kv_delete(v.ident("run_id", request.run_id), v.key("key", request.key))
+        deleted = self.core.kv_delete(v.ident("run_id", request.run_id), v.key("key", request.key), **_write_opts(request))
         return pb.KVDeleteResponse(deleted=deleted)
 
     @guarded

@@ -6,6 +6,8 @@ what goes on the wire and how an answer is read lives here once.
 
 from __future__ import annotations
 
+import uuid
+
 import asyncio
 import socket
 import time
@@ -133,9 +135,29 @@ def arrive_outcome(name: str, resp: pb.ArriveResponse) -> BarrierResult | None:
     return None
 
 
-def kv_set_request(run_id: str, pairs) -> pb.KVSetRequest:
+_HAS_REQUEST_ID: dict[type, bool] = {}
+
+
+def stamp_request_id(request) -> None:
+    """Give a request that has a ``request_id`` field a fresh idempotency key, unless it has one:
+    a call stamps its request once, and every retry re-sends the same message, so the coordinator
+    answers a retry of an applied call with the stored result instead of applying it again."""
+    kind = type(request)
+    has = _HAS_REQUEST_ID.get(kind)
+    if has is None:
+        has = _HAS_REQUEST_ID[kind] = "request_id" in kind.DESCRIPTOR.fields_by_name
+    if has and not request.request_id:
+        request.request_id = uuid.uuid4().hex
+
+
+def writer_ref(writer: tuple[str, int] | None) -> dict:
+    """Keyword arguments that set a write's optional ``member`` fence."""
+    return {} if writer is None else {"member": member_ref(*writer)}
+
+
+def kv_set_request(run_id: str, pairs, writer: tuple[str, int] | None = None) -> pb.KVSetRequest:
     items = pairs.items() if isinstance(pairs, dict) else pairs
-    return pb.KVSetRequest(run_id=run_id, pairs=[pb.KVPair(key=k, value=v) for k, v in items])
+    return pb.KVSetRequest(run_id=run_id, pairs=[pb.KVPair(key=k, value=v) for k, v in items], **writer_ref(writer))
 
 
 def kv_wait_request(run_id: str, keys: list[bytes], wait_s: float) -> pb.KVGetRequest:

@@ -55,6 +55,7 @@ class SchedulerClient(CoordinatorClient):
         task_lease_s: float = 0.0,
         backup_tasks: int = 0,
         max_task_failures: int = 2,
+        writer: tuple[str, int] | None = None,
     ) -> bool:
         """Queue an iteration's tasks; False if it was already submitted with the same tasks.
 
@@ -62,7 +63,8 @@ class SchedulerClient(CoordinatorClient):
         are done. ``task_lease_s`` (0: 600 s): a task unfinished this long after its assignment is
         requeued. ``backup_tasks``: dynamic policy only, how many backup copies of the last
         straggling tasks idle workers may run. ``max_task_failures``: failed attempts (environment
-        errors) after which a task is given up.
+        errors) after which a task is given up. ``writer`` (member id, incarnation): refused once
+        that incarnation is fenced.
         """
         try:
             pol = Policy(policy)
@@ -78,6 +80,7 @@ class SchedulerClient(CoordinatorClient):
             task_lease_ms=round(task_lease_s * 1000),
             backup_tasks=backup_tasks,
             max_task_failures=max_task_failures,
+            **wire.writer_ref(writer),
         )
         return self._call("SubmitIteration", request, stub=self._sched).created
 

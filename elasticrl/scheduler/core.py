@@ -26,7 +26,14 @@ from collections.abc import Callable
 
 from elasticrl.coordinator.core import CoordinatorCore
 from elasticrl.coordinator.state import Member, MemberStatus
-from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, NotReadyError, RunClosedError
+from elasticrl.errors import (
+    CoordinatorUnavailableError,
+    FencedError,
+    InvalidRequestError,
+    NotFoundError,
+    NotReadyError,
+    RunClosedError,
+)
 from elasticrl.scheduler import policy
 from elasticrl.scheduler.persist import SchedulerDB
 from elasticrl.scheduler.state import (
@@ -34,8 +41,10 @@ from elasticrl.scheduler.state import (
     RELEASE_STOPPING,
     GroupRecord,
     Holder,
+    Counters,
     Iteration,
     IterationConfig,
+    NodeStats,
     Policy,
     Split,
     Task,
@@ -157,8 +166,14 @@ class SchedulerCore:
 
     # -- submitting --------------------------------------------------------------------------
 
-    def submit(self, run_id: str, iteration: int, specs: list[TaskSpec], config: IterationConfig) -> bool:
-        """Queue an iteration's tasks. Returns False for a retried submit of the same tasks."""
+    def submit(
+        self, run_id: str, iteration: int, specs: list[TaskSpec], config: IterationConfig, *, request_id: str = "",
+    ) -> bool:
+        """Queue an iteration's tasks. Returns False for a second submit of the same tasks (a retry
+        with the same ``request_id`` gets what its first attempt got)."""
+        done = self.coord.replies.get(request_id, "submit")
+        if done is not None:
+            return done["created"]
         run = self.coord.runs.get(run_id)
         if run is not None and run.closed:
             raise RunClosedError(f"run {run_id!r} is closed ({run.close_reason}); start a new run id")
@@ -188,6 +203,8 @@ class SchedulerCore:
             it.queue.extend(ids)
         with self.db.tx() as db:
             db.put_iteration(it, self._wall())
+            self.coord.replies.record(request_id, "submit", {"created": True})
+        self.coord.replies.remember(request_id, "submit", {"created": True})
         self.iterations[run_id][iteration] = it
         log.info(
             "run %s iteration %d: %d task(s) submitted (%s, deadline %s, min_fraction %g, %d worker(s) connected)",
@@ -394,56 +411,82 @@ class SchedulerCore:
 
     # -- results -----------------------------------------------------------------------------
 
-    def accept(self, conn: WorkerConn, groups: list[tuple[int, GroupRecord]]) -> tuple[Ack, FencedError | None]:
-        """Store the first result of each task; refuse (and count) every other one. The error,
-        when set, says the worker is fenced: its stream ends after the ack."""
+    def accept(
+        self, conn: WorkerConn, groups: list[tuple[int, GroupRecord]], batch_id: str = "",
+    ) -> tuple[Ack | None, Exception | None]:
+        """Store the first result of each task; refuse (and count) every other one.
+
+        Returns (ack, error). With an error the stream ends after the ack: FencedError when the
+        worker is fenced; CoordinatorUnavailableError, with no ack, when the groups could not be
+        stored (disk full, say): nothing changed, the tasks stay leased to the worker, which sends
+        the batch again on a new stream. A batch re-sent after it was stored (same ``batch_id``)
+        gets its first ack back, counted once.
+        """
         worker = conn.worker
+        replay = self.coord.replies.get(batch_id, "results")
+        if replay is not None:
+            for iteration, group in groups:
+                worker.holding.discard((iteration, group.task_id))
+            return Ack(replay["accepted"], [tuple(r) for r in replay["refused"]]), None
         run = self.coord.runs.get(conn.run_id)
         fenced = worker.fenced or run is None or not run.is_live(worker.member_id, worker.incarnation)
-        now = self.clock()
         refused: list[tuple[int, str, str]] = []
         fresh: dict[int, list[GroupRecord]] = collections.defaultdict(list)
-        touched: set[int] = set()
-        for iteration, group in groups:
-            worker.holding.discard((iteration, group.task_id))
+        touched: dict[int, Iteration] = {}
+        for iteration, group in groups:  # decide, changing nothing yet
             it = self.iterations.get(conn.run_id, {}).get(iteration)
             task = it.tasks.get(group.task_id) if it is not None else None
             if task is None:
                 refused.append((iteration, group.task_id, "unknown"))
-                self.metrics.refused.inc(run=conn.run_id, reason="unknown")
                 continue
-            task.holders.pop(worker.member_id, None)
-            touched.add(iteration)
-            reason = None
+            touched[iteration] = it
             if fenced:
-                reason, it.counters.refused_fenced = "fenced", it.counters.refused_fenced + 1
+                refused.append((iteration, group.task_id, "fenced"))
             elif task.status is TaskStatus.DONE or any(g.task_id == group.task_id for g in fresh[iteration]):
-                reason, it.counters.refused_duplicate = "duplicate", it.counters.refused_duplicate + 1
+                refused.append((iteration, group.task_id, "duplicate"))
             elif it.sealed:
-                reason, it.counters.refused_sealed = "sealed", it.counters.refused_sealed + 1
-            if reason:
-                refused.append((iteration, group.task_id, reason))
-                it.node(worker.member_id).refused += 1
-                self.metrics.refused.inc(run=conn.run_id, reason=reason)
-                continue
-            group.node = worker.member_id
-            fresh[iteration].append(group)
-        accepted = 0
-        for iteration in sorted(touched):
-            it = self.iterations[conn.run_id][iteration]
-            batch = fresh.get(iteration, [])
-            shard = ""
-            if batch:  # the shard first: a commit must never point at a file that is not there
-                shard = self.store.write_shard(
+                refused.append((iteration, group.task_id, "sealed"))
+            else:
+                group.node = worker.member_id  # the incoming record, not shared state: stored with it
+                fresh[iteration].append(group)
+        shards: dict[int, str] = {}
+        for iteration, batch in fresh.items():  # the shards first: a commit never points at a missing file
+            it = touched[iteration]
+            try:
+                shards[iteration] = self.store.write_shard(
                     conn.run_id, iteration, [(g, it.tasks[g.task_id].spec.prompt_ids) for g in batch]
                 )
-            with self.db.tx() as db:
-                if batch:
-                    db.put_done(it, [g.task_id for g in batch], worker.member_id, shard)
-                for g in batch:
-                    self._complete(it, it.tasks[g.task_id], g, shard, now)
-                db.put_counters(it)
-            accepted += len(batch)
+            except OSError as exc:
+                log.error("run %s iteration %d: could not store %d result(s) of worker %s: %s; it sends them again",
+                          conn.run_id, iteration, len(batch), worker.member_id, exc)
+                return None, CoordinatorUnavailableError(
+                    f"could not store results of iteration {iteration} ({exc}); send them again on a new stream"
+                )
+        ack = Ack(sum(len(b) for b in fresh.values()), refused)
+        reply = {"accepted": ack.accepted, "refused": [list(r) for r in refused]}
+        now = self.clock()
+        staged = {i: self._staged_counters(it, worker.member_id, refused, fresh.get(i, []), now) for i, it in touched.items()}
+        with self.db.tx() as db:
+            for iteration, it in touched.items():
+                if fresh.get(iteration):
+                    db.put_done(it, [g.task_id for g in fresh[iteration]], worker.member_id, shards[iteration])
+                counters, node = staged[iteration]
+                db.put_counters(it, counters, {worker.member_id: node})
+            self.coord.replies.record(batch_id, "results", reply)
+        self.coord.replies.remember(batch_id, "results", reply)
+        # Committed: now memory follows.
+        for iteration, group in groups:
+            worker.holding.discard((iteration, group.task_id))
+            it = touched.get(iteration)
+            if it is not None:
+                it.tasks[group.task_id].holders.pop(worker.member_id, None)
+        for _, task_id, reason in refused:
+            self.metrics.refused.inc(run=conn.run_id, reason=reason)
+        for iteration, it in sorted(touched.items()):
+            it.counters, it.nodes[worker.member_id] = staged[iteration]
+            batch = fresh.get(iteration, [])
+            for g in batch:
+                self._complete(it, it.tasks[g.task_id], g, shards[iteration])
             if batch:
                 self.metrics.accepted.inc(len(batch), run=conn.run_id)
                 self.metrics.trajectory_bytes.inc(sum(g.num_bytes for g in batch), run=conn.run_id)
@@ -452,19 +495,34 @@ class SchedulerCore:
             log.info("run %s: refused %d result(s) from fenced worker %s (incarnation %d)",
                      conn.run_id, len(groups), worker.member_id, worker.incarnation)
             end = FencedError(f"worker {worker.member_id!r} incarnation {worker.incarnation} is no longer live; join again")
-            return Ack(accepted, refused), end
+            return ack, end
         self._dispatch(conn.run_id)
-        return Ack(accepted, refused), None
+        return ack, None
 
-    def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str, now: float) -> None:
+    @staticmethod
+    def _staged_counters(
+        it: Iteration, member_id: str, refused: list[tuple[int, str, str]], fresh: list[GroupRecord], now: float,
+    ) -> tuple[Counters, NodeStats]:
+        """``it``'s counters and ``member_id``'s stats as they are once this batch is stored, as
+        copies: they replace the live ones only after the commit."""
+        c = dataclasses.replace(it.counters, errors=list(it.counters.errors))
+        node = dataclasses.replace(it.nodes.get(member_id) or NodeStats())
+        for iteration, _, reason in refused:
+            if iteration == it.iteration and reason != "unknown":
+                setattr(c, f"refused_{reason}", getattr(c, f"refused_{reason}") + 1)
+                node.refused += 1
+        if fresh:
+            node.done += len(fresh)
+            node.tokens += sum(g.num_tokens for g in fresh)
+            node.last_result_at = now
+        return c, node
+
+    def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str) -> None:
+        """Apply a committed result in memory (the node's stats come from ``_staged_counters``)."""
         task.status = TaskStatus.DONE
         task.done_by = group.node
         it.groups[task.spec.task_id] = group
         it.shard_of[task.spec.task_id] = shard
-        stats = it.node(group.node)
-        stats.done += 1
-        stats.tokens += group.num_tokens
-        stats.last_result_at = now
         self._cancel_copies(it, task.spec.task_id, keep=group.node)
         task.holders.clear()
 
@@ -513,9 +571,9 @@ class SchedulerCore:
     def _seal(self, it: Iteration, reason: str) -> None:
         now = self.clock()
         dropped = [t for t in it.tasks.values() if t.status in (TaskStatus.QUEUED, TaskStatus.RUNNING)]
-        it.sealed_at, it.seal_reason = now, reason
         with self.db.tx() as db:
-            db.put_seal(it, now - it.submitted_at)
+            db.put_seal(it, reason, now - it.submitted_at)
+        it.sealed_at, it.seal_reason = now, reason  # only once the seal is durable
         self.metrics.sealed.inc(run=it.run_id)
         self.metrics.seal_time.observe(now - it.submitted_at, run=it.run_id)
         for task in dropped:

@@ -69,10 +69,12 @@ class SchedulerDB:
             ],
         )
 
-    def put_counters(self, it: Iteration) -> None:
+    def put_counters(self, it: Iteration, counters: Counters | None = None, nodes: dict[str, NodeStats] | None = None) -> None:
+        """``it``'s counters and node stats; ``counters``/``nodes`` stand in for (some of) them, for
+        a change that reaches memory only once this transaction committed."""
         self._conn.execute(
             "UPDATE sched_iterations SET counters=? WHERE run_id=? AND iteration=?",
-            (_counters_json(it), it.run_id, it.iteration),
+            (_counters_json(it, counters, nodes), it.run_id, it.iteration),
         )
 
     def put_done(self, it: Iteration, task_ids: list[str], done_by: str, shard: str) -> None:
@@ -93,10 +95,10 @@ class SchedulerDB:
             (it.run_id, it.iteration, task.spec.task_id, task.failures),
         )
 
-    def put_seal(self, it: Iteration, elapsed_s: float) -> None:
+    def put_seal(self, it: Iteration, reason: str, elapsed_s: float) -> None:
         self._conn.execute(
             "UPDATE sched_iterations SET sealed=1, seal_reason=?, elapsed_s=?, counters=? WHERE run_id=? AND iteration=?",
-            (it.seal_reason, elapsed_s, _counters_json(it), it.run_id, it.iteration),
+            (reason, elapsed_s, _counters_json(it), it.run_id, it.iteration),
         )
 
     def load(self, now: float, wall_now: float) -> list[tuple[Iteration, float]]:
@@ -164,12 +166,14 @@ def _spec_from(d: dict) -> TaskSpec:
     return TaskSpec(**{**d, "split": Split(d["split"]), "sampling": Sampling(**d["sampling"])})
 
 
-def _counters_json(it: Iteration) -> str:
+def _counters_json(it: Iteration, counters: Counters | None = None, overrides: dict[str, NodeStats] | None = None) -> str:
+    stats = it.nodes if not overrides else {**it.nodes, **overrides}
     nodes = {
         m: {"assigned": n.assigned, "done": n.done, "refused": n.refused, "tokens": n.tokens, "evicted": n.evicted}
-        for m, n in it.nodes.items()
+        for m, n in stats.items()
     }
-    return json.dumps({"counters": dataclasses.asdict(it.counters), "nodes": nodes, "evicted": it.evicted})
+    c = it.counters if counters is None else counters
+    return json.dumps({"counters": dataclasses.asdict(c), "nodes": nodes, "evicted": it.evicted})
 
 
 def _counters_from(it: Iteration, d: dict) -> None:

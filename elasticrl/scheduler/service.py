@@ -17,7 +17,8 @@ import grpc
 from elasticrl._proto import scheduler_pb2 as spb
 from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
 from elasticrl.coordinator import validate as v
-from elasticrl.coordinator.service import abort_with, add_service, guarded
+from elasticrl.coordinator.replies import request_id
+from elasticrl.coordinator.service import abort_with, add_service, guarded, optional_member
 from elasticrl.coordinator.wire import MAX_MESSAGE_BYTES
 from elasticrl.errors import InternalError, InvalidRequestError
 from elasticrl.scheduler.core import Ack, Assign, Cancel, End, SchedulerCore, WorkerConn
@@ -96,7 +97,12 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         )
         if config.max_task_failures > MAX_TASK_FAILURES:
             raise InvalidRequestError(f"max_task_failures: {request.max_task_failures} must be in 1..{MAX_TASK_FAILURES} (0 means 2)")
-        created = self.core.submit(run_id, request.iteration, specs, config)
+        writer = optional_member("member", request)
+        if writer is not None:  # a fenced driver cannot queue work
+            self.core.coord.check_member(run_id, *writer)
+        created = self.core.submit(
+            run_id, request.iteration, specs, config, request_id=request_id("request_id", request.request_id)
+        )
         return spb.SubmitIterationResponse(created=created, num_tasks=len(specs))
 
     @guarded
@@ -242,9 +248,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                         except InvalidRequestError as exc:  # refuse that group, keep the stream
                             log.warning("worker %s sent a malformed result: %s", conn.worker.member_id, exc)
                             invalid.append((g.iteration, g.task_id, f"invalid: {exc}"))
-                    ack, end = self.core.accept(conn, groups)
-                    ack.refused.extend(invalid)
-                    conn.send(ack)
+                    ack, end = self.core.accept(conn, groups, request_id("results.batch_id", request.results.batch_id))
+                    if ack is not None:  # None: nothing was stored; the stream ends and the worker re-sends
+                        ack.refused.extend(invalid)
+                        conn.send(ack)
                     if end is not None:
                         conn.send(End(end))
                 elif kind == "release":

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -357,7 +358,9 @@ class RolloutWorker:
             self._flush_timer = None
         if not self._pending:
             return
-        request = spb.WorkRequest(results=spb.ResultBatch(groups=self._pending))
+        # The batch id stays with the batch when it is re-sent on a new stream: a batch the coordinator
+        # stored before the old stream broke gets its first ack back instead of counting as duplicates.
+        request = spb.WorkRequest(results=spb.ResultBatch(groups=self._pending, batch_id=uuid.uuid4().hex))
         self.stats.batches_sent += 1
         self.stats.bytes_sent += self._pending_bytes
         self._pending, self._pending_bytes = [], 0
