@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fsync", action="store_true", help="fsync every state change (survives power loss; slower)")
     c.add_argument("--port-file", help="write the bound port to this file once serving (useful with --port 0)")
     c.add_argument("--max-message-mb", type=float, default=64, metavar="MIB", help="largest gRPC message accepted or sent, MiB; workers batch trajectories below it (default: %(default)s)")
+    c.add_argument("--max-kv-value-bytes", type=int, default=1 << 20, metavar="BYTES", help="largest KV value (and torch Store value) accepted, bytes; the KV store is for control data (default: %(default)s, 1 MiB)")
     c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (GET /metrics, GET /healthz) over HTTP on this TCP port; 0 picks a free one (default: off). No token check: bind it to an internal interface")
     c.add_argument("--metrics-host", metavar="HOST", help="interface of the metrics endpoint (default: the same as --host)")
     c.add_argument("--metrics-port-file", metavar="FILE", help="write the bound metrics port to this file once serving (useful with --metrics-port 0)")
@@ -174,6 +175,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             fsync=args.fsync,
             port_file=args.port_file,
             max_message_bytes=int(args.max_message_mb * (1 << 20)),
+            max_kv_value_bytes=args.max_kv_value_bytes,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             metrics_port_file=args.metrics_port_file,

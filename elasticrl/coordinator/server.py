@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from elasticrl.coordinator import validate
 from elasticrl.coordinator.core import CoordinatorCore, Limits
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint
 from elasticrl.coordinator.persist import StateDB
@@ -80,6 +81,9 @@ class CoordinatorConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """Largest gRPC message accepted or sent, bytes (trajectory batches are the big ones);
     workers must batch below it (``RolloutWorker(max_message_bytes=...)``)."""
+    max_kv_value_bytes: int = validate.MAX_VALUE_BYTES
+    """Largest KV value accepted by set and compare-and-set, bytes; the KV store (and the
+    ``CoordinatorStore`` over it) is for control data, so larger values are refused."""
     metrics_port: int | None = None
     """TCP port of the Prometheus endpoint (``GET /metrics``, ``GET /healthz``); None: no endpoint,
     0: a free one (written to ``metrics_port_file``). It does not check the token: keep it internal."""
@@ -101,6 +105,11 @@ class CoordinatorConfig:
             raise ValueError(f"tick_s: {self.tick_s}s must be between 1 ms and the lease TTL ({self.lease_ttl_s}s)")
         if not 1 << 20 <= self.max_message_bytes <= 2**31 - 1:
             raise ValueError(f"max_message_bytes: {self.max_message_bytes} must be between 1 MiB and 2 GiB - 1")
+        if not 1 <= self.max_kv_value_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"max_kv_value_bytes: {self.max_kv_value_bytes} must be between 1 and the largest gRPC message "
+                f"({self.max_message_bytes} bytes) - 1; raise --max-message-mb too for larger values"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: pass both or neither")
 
@@ -186,7 +195,7 @@ class CoordinatorServer:
             # Last, so innermost: it sees the real handler lookup (see RpcCountInterceptor).
             interceptors.append(RpcCountInterceptor(self.core.metrics))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
-        add_to_server(CoordinatorServicer(self.core), self.server)
+        add_to_server(CoordinatorServicer(self.core, max_kv_value_bytes=config.max_kv_value_bytes), self.server)
         trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)
         self.scheduler = SchedulerCore(self.core, TrajectoryStore(trajectories, fsync=config.fsync))
         weights_dir = None if config.state_dir is None else os.path.join(config.state_dir, WEIGHTS_DIR)

@@ -173,8 +173,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     # Decided barriers whose response is kept, so that it is built once, not once per member.
     DECIDED_RESPONSES = 64
 
-    def __init__(self, core: CoordinatorCore):
+    def __init__(self, core: CoordinatorCore, *, max_kv_value_bytes: int = v.MAX_VALUE_BYTES):
         self.core = core
+        self.max_kv_value_bytes = max_kv_value_bytes
         # (run id, barrier name) -> (result, response, that response as a serialized
         # SessionResponse with no id); a decided result never changes.
         self._decided: dict[tuple[str, str], tuple[BarrierResult, pb.ArriveResponse, bytes]] = {}
@@ -368,7 +369,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @guarded
     async def KVSet(self, request: pb.KVSetRequest, context) -> pb.KVSetResponse:
         pairs = [
-            (v.key(f"pairs[{i}].key", p.key), v.value(f"pairs[{i}].value", p.value))
+            (v.key(f"pairs[{i}].key", p.key), v.value(f"pairs[{i}].value", p.value, self.max_kv_value_bytes))
             for i, p in enumerate(v.batch("pairs", request.pairs))
         ]
         self.core.kv_set(v.ident("run_id", request.run_id), pairs, **_write_opts(request))
@@ -389,8 +390,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         value, swapped = self.core.kv_compare_set(
             v.ident("run_id", request.run_id),
             v.key("key", request.key),
-            v.value("expected", request.expected),
-            v.value("desired", request.desired),
+            v.value("expected", request.expected, self.max_kv_value_bytes),
+            v.value("desired", request.desired, self.max_kv_value_bytes),
             **_write_opts(request),
         )
         return pb.KVCompareSetResponse(value=value, swapped=swapped)

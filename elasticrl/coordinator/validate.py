@@ -103,11 +103,12 @@ def key(field: str, value: bytes) -> bytes:
     return bytes(value)
 
 
-def value(field: str, data: bytes) -> bytes:
-    if len(data) > MAX_VALUE_BYTES:
+def value(field: str, data: bytes, max_bytes: int = MAX_VALUE_BYTES) -> bytes:
+    """A KV value of at most ``max_bytes`` (the coordinator's ``--max-kv-value-bytes``)."""
+    if len(data) > max_bytes:
         raise InvalidRequestError(
-            f"{field}: {len(data)} bytes, at most {MAX_VALUE_BYTES} allowed; the KV store is for "
-            "control data, not payloads"
+            f"{field}: {len(data)} bytes, at most {max_bytes} allowed; the KV store is for "
+            "control data, not payloads (start the coordinator with --max-kv-value-bytes N to raise the limit)"
         )
     return bytes(data)
 

@@ -15,6 +15,12 @@ and when C++ does (through ``PrefixStore`` or a process group): the C++ trampoli
 ``set``/``get``/``add``/``compare_set``/``wait``/``check``/``multi_get``/``multi_set``/``append``/
 ``has_extended_api`` by those names but ``getNumKeys`` and ``deleteKey`` in camel case, so both
 spellings are defined here.
+
+The trampoline holds only the C++ half of a Python store: once the Python object is collected,
+every call from C++ fails ``INTERNAL ASSERT FAILED ... Not implemented``. So a ``CoordinatorStore``
+must stay referenced from Python while C++ uses it (as any Python store must), and ``clone()``,
+whose result C++ alone holds (``PrefixStore::clone``, ``_test_python_store``, a shrunk process
+group), keeps every clone referenced from the store it was cloned from.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ class CoordinatorStore(dist.Store):
         self._client = client
         self._run_id = run_id
         self._prefix = prefix.encode()
+        # This store and its clones (transitively) share one list that references them all, so a
+        # clone lives while any store of the family is referenced from Python; see the module doc.
+        self._family: list[CoordinatorStore] = []
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
 
     @property
@@ -180,7 +189,17 @@ class CoordinatorStore(dist.Store):
         return True
 
     def clone(self) -> "CoordinatorStore":
-        return CoordinatorStore(self._client, self._run_id, self.prefix, timeout_s=_seconds(self.timeout))
+        """A store over the same run, prefix and client, with its own timeout (a copy of this one's).
+
+        The clone stays referenced (a few hundred bytes per call; torch clones rarely, e.g. in
+        ``PrefixStore::clone`` or when it shrinks a group) until this store and all its clones are
+        unreferenced: a C++ caller keeps only the C++ half, and without the Python half the
+        trampoline finds no overrides.
+        """
+        twin = CoordinatorStore(self._client, self._run_id, self.prefix, timeout_s=_seconds(self.timeout))
+        twin._family = self._family
+        self._family.append(twin)
+        return twin
 
     def __repr__(self) -> str:
         return f"CoordinatorStore(run={self._run_id!r}, prefix={self.prefix!r}, coordinator={self._client.address})"

@@ -229,6 +229,7 @@ def test_port_in_use_and_bad_flags_fail_with_a_clear_message(coordinator, tmp_pa
         (["--port", "0", "--lease-ttl", "0.01"], "lease_ttl_s"),
         (["--port", "0", "--token-file", str(tmp_path / "missing")], "token_file: cannot read"),
         (["--port", "0", "--tls-cert", "cert.pem"], "tls_cert and tls_key go together"),
+        (["--port", "0", "--max-kv-value-bytes", "0"], "max_kv_value_bytes: 0 must be between 1 and"),
     ]
     for args, message in cases:
         out = subprocess.run(base + args, capture_output=True, text=True, timeout=60, cwd=REPO)
