@@ -156,7 +156,10 @@ class AsyncCoordinatorClient:
     def session(self, run_id: str, member_id: str, incarnation: int) -> AsyncSession:
         """A Session stream for one joined member: ``keep_alive()`` and ``arrive()`` as messages on
         one open stream, far cheaper for the coordinator than a unary call each (see ``aio_session``)."""
-        return AsyncSession(self, run_id, member_id, incarnation)
+        return AsyncSession(
+            self._stub, run_id, member_id, incarnation, address=self.address, metadata=self._metadata,
+            call_timeout_s=self.call_timeout_s, reconnect_timeout_s=self.reconnect_timeout_s,
+        )
 
     # -- key-value ---------------------------------------------------------------------------
 

@@ -10,6 +10,9 @@ When the stream breaks with UNAVAILABLE (or the server ends it), the session reo
 ``wire.retry_wait()`` backoff for at most ``reconnect_timeout_s`` and re-sends every operation in
 flight (keep-alives and arrivals are idempotent); past that budget the pending operations fail
 with ``CoordinatorUnavailableError`` and the next operation starts a fresh attempt.
+
+``AsyncCoordinatorClient.session()`` builds one from its stub, metadata and timeouts; this module
+does not import the client (the client imports it).
 """
 
 from __future__ import annotations
@@ -18,18 +21,15 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.state import BarrierResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableError, InternalError
-
-if TYPE_CHECKING:
-    from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,26 @@ class AsyncSession:
     Raises the ``elasticrl.errors`` classes, like ``AsyncCoordinatorClient``.
     """
 
-    def __init__(self, client: "AsyncCoordinatorClient", run_id: str, member_id: str, incarnation: int):
-        self._client = client
+    def __init__(
+        self,
+        stub: pb_grpc.CoordinatorStub,
+        run_id: str,
+        member_id: str,
+        incarnation: int,
+        *,
+        address: str,
+        metadata: tuple[tuple[str, str], ...],
+        call_timeout_s: float,
+        reconnect_timeout_s: float,
+    ):
+        """``stub`` on a ``grpc.aio`` channel; ``metadata`` goes with every stream (the token);
+        ``call_timeout_s`` bounds a keep-alive and opening a stream, ``reconnect_timeout_s`` how
+        long a broken stream is reopened before pending operations fail."""
+        self._stub = stub
+        self._metadata = metadata
+        self.address = address
+        self.call_timeout_s = call_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
         self.run_id = run_id
         self.member_id = member_id
         self.incarnation = incarnation
@@ -78,15 +96,11 @@ class AsyncSession:
         self._runner: asyncio.Task | None = None
         self._closed = False
 
-    @property
-    def address(self) -> str:
-        return self._client.address
-
     # -- operations --------------------------------------------------------------------------
 
     async def keep_alive(self) -> int:
         """Renew the lease; returns the run's epoch (``FencedError`` if this incarnation is not live)."""
-        resp = await self._op(pb.SessionRequest(keep_alive=self._keep_alive_request), self._client.call_timeout_s)
+        resp = await self._op(pb.SessionRequest(keep_alive=self._keep_alive_request), self.call_timeout_s)
         return resp.keep_alive.epoch
 
     async def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing", epoch: int = 0) -> BarrierResult:
@@ -95,7 +109,7 @@ class AsyncSession:
         Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
         ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``.
         """
-        give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self._client.reconnect_timeout_s
+        give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self.reconnect_timeout_s
         while True:
             wait_s = max(0.05, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
             request = wire.arrive_request(
@@ -183,7 +197,7 @@ class AsyncSession:
 
     async def _serve_streams(self) -> None:
         """Keep a stream open; reopen it after transport failures, within the reconnect budget."""
-        budget = wire.ReopenBudget(self._client.reconnect_timeout_s)
+        budget = wire.ReopenBudget(self.reconnect_timeout_s)
         while True:
             was_up, detail = await self._one_stream()
             if detail is None:
@@ -192,7 +206,7 @@ class AsyncSession:
             if pause is None:
                 self._fail_pending(CoordinatorUnavailableError(
                     f"coordinator at {self.address} is unreachable: session stream not reopened within "
-                    f"{self._client.reconnect_timeout_s:.1f}s ({detail})"
+                    f"{self.reconnect_timeout_s:.1f}s ({detail})"
                 ))
                 return  # the next operation starts a fresh attempt
             log.debug("session %s to %s broke (%s); reopening in %.3fs", self.member_id, self.address, detail, pause)
@@ -207,16 +221,16 @@ class AsyncSession:
         opening has ``call_timeout_s``, and the channel's keepalive pings notice a dead peer.
         """
         outbox: asyncio.Queue = asyncio.Queue()
-        call = self._client._stub.Session(wire.stream_requests(outbox), metadata=self._client._metadata)
+        call = self._stub.Session(wire.stream_requests(outbox), metadata=self._metadata)
         up = False
         try:
             # The server sends initial metadata as soon as the stream is up. Nothing is written
             # before that, so a refused stream (token) never races a write with its status.
             try:
-                await asyncio.wait_for(call.initial_metadata(), self._client.call_timeout_s)
+                await asyncio.wait_for(call.initial_metadata(), self.call_timeout_s)
             except asyncio.TimeoutError:
                 call.cancel()
-                return False, f"stream not opened within {self._client.call_timeout_s:.1f}s"
+                return False, f"stream not opened within {self.call_timeout_s:.1f}s"
             if not call.done():
                 up = True
                 self._outbox = outbox

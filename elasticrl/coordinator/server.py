@@ -1,16 +1,24 @@
-"""The ``elasticrl coordinator`` process: a grpc.aio server around ``CoordinatorCore``.
+"""The ``elasticrl coordinator`` process: a grpc.aio server around ``CoordinatorCore``, and the
+one composition root of the coordinator process.
+
+Here, and only here, the coordinator core, the scheduler core and the metrics meet: the server
+builds ``Metrics`` and hands it to the core (the scheduler core counts into the same one), and
+hands the metrics the readers of the state-derived gauges (``membership_gauges``,
+``scheduler_gauges``). No other module of ``elasticrl.coordinator`` imports ``elasticrl.scheduler``.
 
 It binds to 127.0.0.1 unless told otherwise, serves the standard gRPC health service, checks a
 shared token when ``--token-file`` is given, uses TLS when ``--tls-cert/--tls-key`` are, ticks the
 core (lease expiry, barrier and round deadlines) every ``tick_s``, and shuts down cleanly on
 SIGTERM/SIGINT. With ``--metrics-port`` it also serves Prometheus metrics over HTTP
-(``coordinator.metrics``) from the same event loop.
+(``coordinator.metrics``); the gauges are read on the event loop the cores live on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import hmac
 import logging
 import os
@@ -23,7 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from elasticrl.coordinator import validate
 from elasticrl.coordinator.core import CoordinatorCore, Limits
-from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint
+from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
 from elasticrl.scheduler import service as scheduler_service
@@ -177,6 +185,34 @@ class RpcCountInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def membership_gauges(core: CoordinatorCore) -> list[RunGauges]:
+    """What the membership gauges show of ``core`` now (call it on the core's event loop)."""
+    return [
+        RunGauges(
+            run_id=run_id,
+            epoch=run.epoch,
+            barriers_open=len(run.open_barriers),
+            members=collections.Counter(m.status.value for m in run.members.values()),
+        )
+        for run_id, run in core.runs.items()
+    ]
+
+
+def scheduler_gauges(scheduler: SchedulerCore) -> list[SchedulerGauges]:
+    """What the scheduler gauges show of ``scheduler`` now (call it on the core's event loop)."""
+    rows = []
+    for run_id in scheduler.conns.keys() | scheduler.iterations.keys():
+        conns = scheduler.conns.get(run_id, {})
+        workers = sum(1 for c in conns.values() if not c.closed and not c.worker.fenced)
+        it = scheduler.latest(run_id)
+        if it is None:
+            rows.append(SchedulerGauges(run_id=run_id, workers=workers))
+        else:
+            tasks = collections.Counter(t.status.value for t in it.tasks.values())
+            rows.append(SchedulerGauges(run_id=run_id, workers=workers, iteration=it.iteration, tasks=tasks))
+    return rows
+
+
 class CoordinatorServer:
     """Owns the gRPC server, the core and the tick task. ``start`` then ``wait_closed`` or ``stop``."""
 
@@ -187,13 +223,15 @@ class CoordinatorServer:
             os.makedirs(config.state_dir, exist_ok=True)
             state_path = os.path.join(config.state_dir, STATE_FILE)
         self.db = StateDB(state_path, fsync=config.fsync)
-        self.core = CoordinatorCore(self.db, lease_ttl_s=config.lease_ttl_s, limits=limits)
+        # Counted into whether or not an endpoint serves it; the scheduler core shares the core's.
+        self.metrics = Metrics()
+        self.core = CoordinatorCore(self.db, lease_ttl_s=config.lease_ttl_s, limits=limits, metrics=self.metrics)
         token = config.read_token()
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics_endpoint: MetricsEndpoint | None = None
         if config.metrics_port is not None:
             # Last, so innermost: it sees the real handler lookup (see RpcCountInterceptor).
-            interceptors.append(RpcCountInterceptor(self.core.metrics))
+            interceptors.append(RpcCountInterceptor(self.metrics))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         add_to_server(CoordinatorServicer(self.core, max_kv_value_bytes=config.max_kv_value_bytes), self.server)
         trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)
@@ -203,9 +241,8 @@ class CoordinatorServer:
         scheduler_service.add_to_server(scheduler_service.SchedulerServicer(
             self.scheduler, weights=self.weights, max_message_bytes=config.max_message_bytes), self.server)
         if config.metrics_port is not None:
-            self.core.metrics.watch(self.core, self.scheduler)
             self.metrics_endpoint = MetricsEndpoint(
-                self.core.metrics, config.metrics_host or config.host, config.metrics_port
+                self.metrics.registry, config.metrics_host or config.host, config.metrics_port
             )
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -228,7 +265,13 @@ class CoordinatorServer:
 
     async def start(self) -> None:
         if self.metrics_endpoint is not None:  # first: a port clash fails before gRPC serves
-            await self.metrics_endpoint.start()
+            # Scrapes run on the endpoint's threads; the cores are read on their own loop.
+            loop = asyncio.get_running_loop()
+            self.metrics.watch(
+                read_on_loop(loop, functools.partial(membership_gauges, self.core)),
+                read_on_loop(loop, functools.partial(scheduler_gauges, self.scheduler)),
+            )
+            self.metrics_endpoint.start()
             if self.config.metrics_port_file:
                 write_port_file(self.config.metrics_port_file, self.metrics_endpoint.port)
             log.info("metrics on http://%s/metrics (no token check)", self.metrics_endpoint.address)
@@ -263,7 +306,7 @@ class CoordinatorServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.metrics_endpoint is not None:
-            await self.metrics_endpoint.stop()
+            await asyncio.to_thread(self.metrics_endpoint.stop)
         if self._tick_task is not None:
             self._tick_task.cancel()
             try:

@@ -1,132 +1,156 @@
-"""The metrics registry and its text exposition (format 0.0.4), the HTTP endpoint's routing, and
-the counters the cores move when they apply a decision (injected clock, no sockets)."""
+"""The coordinator's metrics on prometheus_client: the adapters the cores call, per-coordinator
+registries, forgetting a run, the state-derived gauges read through the server's readers, the HTTP
+endpoint's routing, and the counters the cores move when they apply a decision (injected clock,
+no sockets)."""
 
 from __future__ import annotations
 
 import asyncio
-import math
+import threading
 
 import pytest
 
-from elasticrl.coordinator.metrics import (
-    CONTENT_TYPE,
-    MetricsEndpoint,
-    Registry,
-    escape_help,
-    escape_label_value,
-    format_value,
-)
+from elasticrl.coordinator.metrics import CONTENT_TYPE, Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
+from elasticrl.coordinator.server import membership_gauges, scheduler_gauges
 from elasticrl.coordinator.state import TimeoutPolicy
 from elasticrl.scheduler.state import IterationConfig
+from tests.integration.prometheus import parse_exposition, value
 from tests.unit.scheduler_harness import RUN, Harness, drain, group, specs
 
 
-def test_format_value_integers_fractions_and_specials():
-    assert [format_value(v) for v in (0, 3, 3.0, -2.0, 0.25, 1e20)] == ["0", "3", "3", "-2", "0.25", "1e+20"]
-    assert (format_value(math.inf), format_value(-math.inf), format_value(math.nan)) == ("+Inf", "-Inf", "NaN")
+def watch(h: Harness) -> Metrics:
+    """The harness's metrics, with the gauges read straight from its cores (as the server wires them)."""
+    m = h.coord.metrics
+    m.watch(lambda: membership_gauges(h.coord), lambda: scheduler_gauges(h.sched))
+    return m
 
 
-def test_label_values_escape_backslash_quote_and_newline():
-    assert escape_label_value('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
-    assert escape_help('say "hi"\\\nbye') == 'say "hi"\\\\\\nbye'  # HELP keeps quotes as they are
-    reg = Registry()
-    c = reg.counter("x_total", "help with\nnewline", ("run",))
-    c.inc(run='we"ird\\run\n')
-    text = reg.render()
-    assert "# HELP x_total help with\\nnewline\n# TYPE x_total counter\n" in text
-    assert 'x_total{run="we\\"ird\\\\run\\n"} 1\n' in text
+def call(app, path: str, method: str = "GET") -> tuple[str, dict, bytes]:
+    """One WSGI request to ``app``: (status, headers, body)."""
+    answer = {}
+
+    def start_response(status, headers):
+        answer.update(status=status, headers=dict(headers))
+
+    body = b"".join(app({"PATH_INFO": path, "REQUEST_METHOD": method, "QUERY_STRING": ""}, start_response))
+    return answer["status"], answer["headers"], body
 
 
-def test_counter_and_gauge_render_sorted_and_unlabelled_starts_at_zero():
-    reg = Registry()
-    reg.counter("plain_total", "an unlabelled counter")
-    runs = reg.counter("runs_total", "per run", ("run", "reason"))
-    g = reg.gauge("g", "a gauge", ("run",))
-    runs.inc(run="b", reason="x")
-    runs.inc(2, run="a", reason="y")
-    runs.inc(0.5, run="a", reason="y")
-    g.set(5, run="r")
-    g.inc(-7, run="r")
-    text = reg.render()
-    assert text.endswith("\n") and "\n\n" not in text
-    assert "plain_total 0\n" in text
-    assert text.index('runs_total{run="a",reason="y"} 2.5') < text.index('runs_total{run="b",reason="x"} 1')
-    assert 'g{run="r"} -2\n' in text
-    assert runs.value(run="a", reason="y") == 2.5 and runs.value(run="z", reason="y") == 0
-    # Families come out in registration order, each with HELP and TYPE before its samples.
-    order = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
-    assert order == ["plain_total", "runs_total", "g"]
-    g.clear()
-    assert 'g{run="r"}' not in reg.render()
-
-
-def test_counter_refuses_to_go_down_and_labels_must_match():
-    reg = Registry()
-    c = reg.counter("c_total", "h", ("run",))
-    with pytest.raises(ValueError, match="only goes up"):
-        c.inc(-1, run="r")
+def test_counters_and_histograms_keep_the_call_style_of_the_cores():
+    m = Metrics(clock=lambda: 50.0)
+    m.joins.inc(run="a")
+    m.joins.inc(run="a")
+    m.accepted.inc(3, run="a")
+    m.evictions.inc(run="a", reason="replaced")
+    m.evictions.inc(reason="replaced", run="a")  # keyword order does not matter
+    m.barrier_wait.observe(0.05, run="a")
+    m.barrier_wait.observe(20, run="a")
+    assert m.joins.value(run="a") == 2 and m.joins.value(run="none") == 0
+    assert m.accepted.value(run="a") == 3
+    assert m.evictions.value(run="a", reason="replaced") == 2
+    assert m.barrier_wait.count(run="a") == 2 and m.barrier_wait.sum(run="a") == pytest.approx(20.05)
+    samples = parse_exposition(m.render())
+    assert value(samples, "elasticrl_member_joins_total", run="a") == 2
+    assert value(samples, "elasticrl_barrier_wait_seconds_bucket", run="a", le="0.05") == 1
+    assert value(samples, "elasticrl_barrier_wait_seconds_bucket", run="a", le="30.0") == 2
+    assert value(samples, "elasticrl_barrier_wait_seconds_bucket", run="a", le="+Inf") == 2
+    assert value(samples, "elasticrl_coordinator_uptime_seconds") == 0  # the injected clock stood still
     with pytest.raises(ValueError, match=r"takes labels \('run',\), got \('node',\)"):
-        c.inc(node="n")
+        m.joins.inc(node="n")
     with pytest.raises(ValueError, match="takes labels"):
-        c.inc()
-    with pytest.raises(ValueError, match="registered twice"):
-        reg.counter("c_total", "again")
-    with pytest.raises(ValueError, match="not a Prometheus metric name"):
-        reg.gauge("bad-name", "h")
-    with pytest.raises(ValueError, match="not a label name"):
-        reg.gauge("g", "h", ("bad label",))
-    with pytest.raises(ValueError, match="'le'"):
-        reg.histogram("h", "h", ("le",), buckets=(1,))
-    with pytest.raises(ValueError, match="distinct"):
-        reg.histogram("h2", "h", buckets=(1, 1))
-    with pytest.raises(ValueError, match="arguments of inc/set"):
-        reg.counter("amounts_total", "h", ("amount",))
+        m.evictions.inc(run="a")
+    with pytest.raises(ValueError):
+        m.joins.inc(-1, run="a")  # a counter only goes up
 
 
-def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
-    reg = Registry()
-    h = reg.histogram("wait_seconds", "waits", ("run",), buckets=(1, 0.1, 10))  # sorted on creation
-    for v in (0.05, 0.1, 0.5, 2, 20, 30):
-        h.observe(v, run="r")
-    lines = [line for line in reg.render().splitlines() if not line.startswith("#")]
-    assert lines == [
-        'wait_seconds_bucket{run="r",le="0.1"} 2',  # 0.1 itself falls in le=0.1 (upper bound inclusive)
-        'wait_seconds_bucket{run="r",le="1"} 3',
-        'wait_seconds_bucket{run="r",le="10"} 4',
-        'wait_seconds_bucket{run="r",le="+Inf"} 6',
-        'wait_seconds_sum{run="r"} 52.65',
-        'wait_seconds_count{run="r"} 6',
-    ]
-    assert h.count(run="r") == 6 and h.sum(run="r") == pytest.approx(52.65) and h.count(run="none") == 0
-    # An unlabelled histogram shows its zero buckets before the first observation.
-    reg.histogram("empty_seconds", "none yet", buckets=(1,))
-    empty = [line for line in reg.render().splitlines() if line.startswith("empty_seconds")]
-    assert empty == ['empty_seconds_bucket{le="1"} 0', 'empty_seconds_bucket{le="+Inf"} 0', "empty_seconds_sum 0", "empty_seconds_count 0"]
+def test_each_coordinator_has_its_own_registry():
+    one, two = Metrics(), Metrics()  # the same names twice: no "Duplicated timeseries"
+    one.joins.inc(run="r")
+    assert one.joins.value(run="r") == 1 and two.joins.value(run="r") == 0
+    assert 'elasticrl_member_joins_total{run="r"}' not in two.render()
 
 
-def test_a_failing_collector_does_not_break_the_scrape():
-    reg = Registry()
-    g = reg.gauge("g", "h")
+def test_forget_run_drops_the_runs_children_only():
+    m = Metrics()
+    for run in ("old", "new"):
+        m.joins.inc(run=run)
+        m.evictions.inc(run=run, reason="lease_expired")
+        m.seal_time.observe(3.0, run=run)
+    m.rpcs.inc(service="s", method="Join")
+    m.forget_run("old")
+    samples = parse_exposition(m.render())
+    assert not [k for k in samples if ("run", "old") in k[1]], samples
+    assert value(samples, "elasticrl_member_joins_total", run="new") == 1
+    assert value(samples, "elasticrl_member_evictions_total", run="new", reason="lease_expired") == 1
+    assert value(samples, "elasticrl_scheduler_seal_seconds_count", run="new") == 1
+    assert value(samples, "elasticrl_rpcs_received_total", service="s", method="Join") == 1
+    m.joins.inc(run="old")  # a run of the same name later starts from zero
+    assert m.joins.value(run="old") == 1
+    m.forget_run("never-seen")
+
+
+def test_state_gauges_show_what_the_readers_return_and_survive_a_broken_reader():
+    m = Metrics()
+    runs = [RunGauges(run_id="r", epoch=4, barriers_open=1, members={"live": 2, "evicted": 1})]
+    sched = [SchedulerGauges(run_id="r", workers=2, iteration=7, tasks={"queued": 1, "done": 3}),
+             SchedulerGauges(run_id="idle", workers=0)]
+    m.watch(lambda: runs, lambda: sched)
+    samples = parse_exposition(m.render())
+    assert value(samples, "elasticrl_members", run="r", state="live") == 2
+    assert ("elasticrl_members", frozenset({("run", "r"), ("state", "left")})) in samples  # 0, but present
+    assert value(samples, "elasticrl_run_epoch", run="r") == 4
+    assert value(samples, "elasticrl_barriers_open", run="r") == 1
+    assert value(samples, "elasticrl_scheduler_iteration", run="r") == 7
+    assert value(samples, "elasticrl_scheduler_tasks", run="r", state="done") == 3
+    assert value(samples, "elasticrl_scheduler_workers", run="r") == 2
+    assert ("elasticrl_scheduler_workers", frozenset({("run", "idle")})) in samples
+    assert not [k for k in samples if k[0] == "elasticrl_scheduler_tasks" and ("run", "idle") in k[1]]
+    runs.clear()  # a run gone from the cores is gone from the next scrape
+    assert 'elasticrl_run_epoch{run="r"}' not in m.render()
 
     def broken():
         raise RuntimeError("bug")
 
-    reg.collectors += [broken, lambda: g.set(4)]
-    assert "g 4\n" in reg.render()
+    m.watch(broken, lambda: sched)
+    text = m.render()
+    assert 'elasticrl_scheduler_workers{run="r"} 2.0' in text and "elasticrl_members{" not in text
+
+
+def test_read_on_loop_runs_the_reader_on_the_loop_thread():
+    async def main():
+        loop = asyncio.get_running_loop()
+        read = read_on_loop(loop, lambda: threading.current_thread().name, timeout_s=5)
+        return threading.current_thread().name, await asyncio.to_thread(read)
+
+    loop_thread, read_thread = asyncio.run(main())
+    assert read_thread == loop_thread
 
 
 def test_endpoint_routes_paths_and_methods():
-    reg = Registry()
-    reg.gauge("up", "h").set(1)
-    ep = MetricsEndpoint(reg, "127.0.0.1", 0)
-    status, _, body, headers = ep.route(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert status == 200 and headers["Content-Type"] == CONTENT_TYPE and b"up 1\n" in body
-    assert ep.route(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")[0] == 200
-    assert ep.route(b"GET /healthz HTTP/1.1\r\n\r\n")[:3] == (200, "OK", b"ok\n")
-    assert ep.route(b"GET /other HTTP/1.1\r\n\r\n")[0] == 404
-    status, _, _, headers = ep.route(b"POST /metrics HTTP/1.1\r\n\r\n")
-    assert status == 405 and headers == {"Allow": "GET"}
-    assert ep.route(b"garbage\r\n\r\n")[0] == 400
+    m = Metrics()
+    m.joins.inc(run="r")
+    ep = MetricsEndpoint(m.registry, "127.0.0.1", 0)
+    status, headers, body = call(ep.app, "/metrics")
+    assert status == "200 OK" and headers["Content-Type"] == CONTENT_TYPE
+    assert b'elasticrl_member_joins_total{run="r"} 1.0\n' in body
+    assert call(ep.app, "/healthz") == ("200 OK", {"Content-Type": "text/plain; charset=utf-8", "Content-Length": "3"}, b"ok\n")
+    assert call(ep.app, "/other")[0].startswith("404")
+    assert call(ep.app, "/")[0].startswith("404")
+    status, headers, _ = call(ep.app, "/metrics", "POST")
+    assert status.startswith("405") and headers["Allow"] == "GET"
+
+
+def test_a_failing_collector_answers_500():
+    m = Metrics()
+
+    class Broken:
+        def collect(self):
+            raise RuntimeError("bug")
+
+    m.registry.register(Broken())
+    ep = MetricsEndpoint(m.registry, "127.0.0.1", 0)
+    assert call(ep.app, "/metrics")[0].startswith("500")
+    assert call(ep.app, "/healthz")[0] == "200 OK"
 
 
 # -- the cores count into their registry ------------------------------------------------------
@@ -134,8 +158,7 @@ def test_endpoint_routes_paths_and_methods():
 
 def test_coordinator_core_counts_joins_leaves_evictions_barriers_and_refreshes_gauges():
     h = Harness(lease_ttl_s=1.0)
-    m = h.coord.metrics
-    m.watch(h.coord, h.sched)
+    m = watch(h)
     h.join("a")
     h.join("b")
     h.join("c")
@@ -160,11 +183,11 @@ def test_coordinator_core_counts_joins_leaves_evictions_barriers_and_refreshes_g
     assert m.leaves.value(run=RUN) == 1
     h.advance(2.0, alive=("a",), step=0.25)  # c's lease lapses
     assert m.evictions.value(run=RUN, reason="lease_expired") == 1
-    text = m.render()
-    assert f'elasticrl_members{{run="{RUN}",state="live"}} 1\n' in text
-    assert f'elasticrl_members{{run="{RUN}",state="evicted"}} 1\n' in text  # c: one entry per member id
-    assert f'elasticrl_members{{run="{RUN}",state="left"}} 1\n' in text
-    assert f'elasticrl_run_epoch{{run="{RUN}"}} {h.coord.runs[RUN].epoch}\n' in text
+    samples = parse_exposition(m.render())
+    assert value(samples, "elasticrl_members", run=RUN, state="live") == 1
+    assert value(samples, "elasticrl_members", run=RUN, state="evicted") == 1  # c: one entry per member id
+    assert value(samples, "elasticrl_members", run=RUN, state="left") == 1
+    assert value(samples, "elasticrl_run_epoch", run=RUN) == h.coord.runs[RUN].epoch > 0
 
 
 def test_barrier_timeout_counts_missed_barrier_eviction_and_wait_time():
@@ -188,18 +211,18 @@ def test_barrier_timeout_counts_missed_barrier_eviction_and_wait_time():
 
 def test_scheduler_core_counts_results_requeues_refusals_bytes_and_seal_time():
     h = Harness()
-    m = h.coord.metrics
-    m.watch(h.coord, h.sched)
+    m = watch(h)
     w1 = h.worker("w1")
     w2 = h.worker("w2")
     h.sched.submit(RUN, 1, specs(3), IterationConfig())
     drain(w1), drain(w2)
     held1 = [tid for _, tid in w1.worker.holding]
     held2 = [tid for _, tid in w2.worker.holding]
-    text = m.render()
-    assert f'elasticrl_scheduler_tasks{{run="{RUN}",state="running"}} 2\n' in text
-    assert f'elasticrl_scheduler_tasks{{run="{RUN}",state="queued"}} 1\n' in text
-    assert f'elasticrl_scheduler_workers{{run="{RUN}"}} 2\n' in text
+    samples = parse_exposition(m.render())
+    assert value(samples, "elasticrl_scheduler_tasks", run=RUN, state="running") == 2
+    assert value(samples, "elasticrl_scheduler_tasks", run=RUN, state="queued") == 1
+    assert value(samples, "elasticrl_scheduler_workers", run=RUN) == 2
+    assert value(samples, "elasticrl_scheduler_iteration", run=RUN) == 1
     h.sched.release(w2, 1, held2, "engine busy")  # back to the queue, then to w1 later
     assert m.requeued.value(run=RUN) == 1
     h.clock.now += 4.0
@@ -219,4 +242,4 @@ def test_scheduler_core_counts_results_requeues_refusals_bytes_and_seal_time():
     assert m.accepted.value(run=RUN) == 3
     assert m.sealed.value(run=RUN) == 1
     assert m.seal_time.count(run=RUN) == 1 and m.seal_time.sum(run=RUN) == pytest.approx(4.0)
-    assert f'elasticrl_scheduler_tasks{{run="{RUN}",state="done"}} 3\n' in m.render()
+    assert value(parse_exposition(m.render()), "elasticrl_scheduler_tasks", run=RUN, state="done") == 3
