@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (GET /metrics, GET /healthz) over HTTP on this TCP port; 0 picks a free one (default: off). No token check: bind it to an internal interface")
     c.add_argument("--metrics-host", metavar="HOST", help="interface of the metrics endpoint (default: the same as --host)")
     c.add_argument("--metrics-port-file", metavar="FILE", help="write the bound metrics port to this file once serving (useful with --metrics-port 0)")
+    c.add_argument("--max-weight-uploads", type=int, default=4, metavar="N", help="weight uploads received at once (each spools to a temp file); one more is refused with RESOURCE_EXHAUSTED (default: %(default)s)")
 
     sub.add_parser(
         "run", add_help=False, prefix_chars="\0",
@@ -179,6 +180,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             metrics_port_file=args.metrics_port_file,
+            max_weight_uploads=args.max_weight_uploads,
         )
         asyncio.run(serve(config))
     except (ValueError, OSError) as exc:

@@ -80,6 +80,8 @@ def render_iteration(m: dict) -> str:
     if m.get("tasks_failed") or m.get("env_errors"):
         last = m["errors"][-1] if m.get("errors") else ""
         head += f"\n  env errors {m['env_errors']}, {m['tasks_failed']} task(s) given up" + (f"; last: {last}" if last else "")
+    if m.get("groups_lost"):
+        head += f"\n  {m['groups_lost']} group(s) lost with their shard files at a restart (their tasks ran again unless sealed)"
     rows = [
         [
             n["node"], str(n["slots"] or "-"), str(n["running"]), str(n["done"]), str(n["assigned"]),

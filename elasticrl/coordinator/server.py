@@ -37,7 +37,7 @@ from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
 from elasticrl.scheduler import service as scheduler_service
 from elasticrl.scheduler.core import SchedulerCore
 from elasticrl.scheduler.store import TrajectoryStore
-from elasticrl.scheduler.weights import DIR_NAME as WEIGHTS_DIR, WeightStore
+from elasticrl.scheduler.weights import DEFAULT_MAX_UPLOADS, DIR_NAME as WEIGHTS_DIR, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ class CoordinatorConfig:
     """Interface of the metrics endpoint; None: the same as ``host``."""
     metrics_port_file: str | None = None
     """Write the bound metrics port here once it serves (atomically, before ``port_file``)."""
+    max_weight_uploads: int = DEFAULT_MAX_UPLOADS
+    """Weight uploads (PublishWeights streams) received at once; one more is refused with
+    RESOURCE_EXHAUSTED. Each spools to a temp file under the state dir (or a temp dir), not memory."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -118,6 +121,8 @@ class CoordinatorConfig:
                 f"max_kv_value_bytes: {self.max_kv_value_bytes} must be between 1 and the largest gRPC message "
                 f"({self.max_message_bytes} bytes) - 1; raise --max-message-mb too for larger values"
             )
+        if self.max_weight_uploads < 1:
+            raise ValueError(f"max_weight_uploads: {self.max_weight_uploads} must be >= 1 (uploads received at once)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: pass both or neither")
 
@@ -237,7 +242,7 @@ class CoordinatorServer:
         trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)
         self.scheduler = SchedulerCore(self.core, TrajectoryStore(trajectories, fsync=config.fsync))
         weights_dir = None if config.state_dir is None else os.path.join(config.state_dir, WEIGHTS_DIR)
-        self.weights = WeightStore(weights_dir, fsync=config.fsync)
+        self.weights = WeightStore(weights_dir, fsync=config.fsync, max_uploads=config.max_weight_uploads)
         scheduler_service.add_to_server(scheduler_service.SchedulerServicer(
             self.scheduler, weights=self.weights, max_message_bytes=config.max_message_bytes), self.server)
         if config.metrics_port is not None:

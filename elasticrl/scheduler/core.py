@@ -34,7 +34,7 @@ from elasticrl.errors import (
     NotReadyError,
     RunClosedError,
 )
-from elasticrl.scheduler import policy
+from elasticrl.scheduler import policy, recovery
 from elasticrl.scheduler.persist import SchedulerDB
 from elasticrl.scheduler.state import (
     MAX_ERRORS,
@@ -132,8 +132,10 @@ class SchedulerCore:
             self.iterations[it.run_id][it.iteration] = it
             if it.sealed:
                 self._elapsed_at_seal[(it.run_id, it.iteration)] = elapsed
-            else:
-                self._load_groups(it)
+            # Reads an open iteration's groups back; a missing or damaged shard's groups are lost
+            # (requeued while open) rather than stopping the coordinator.
+            if recovery.restore_groups(it, store, self.db) and it.sealed:
+                store.write_manifest(it.run_id, it.iteration, self.manifest(it))
         self._wall = wall_clock
         coord.gone_listeners.append(self._member_gone)
         open_its = [it for its in self.iterations.values() for it in its.values() if not it.sealed]
@@ -649,6 +651,7 @@ class SchedulerCore:
             "requeued": c.requeued, "refused_duplicate": c.refused_duplicate, "refused_fenced": c.refused_fenced,
             "refused_sealed": c.refused_sealed, "backups_issued": c.backups_issued,
             "tasks_failed": it.count(TaskStatus.FAILED), "env_errors": c.env_errors, "errors": list(c.errors),
+            "groups_lost": c.groups_lost,
             "nodes": nodes, "evicted": list(it.evicted), "elapsed_s": elapsed,
             "tokens": sum(n["tokens"] for n in nodes),
             "sealed_ago_s": now - it.sealed_at if it.sealed else 0.0,

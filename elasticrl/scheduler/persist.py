@@ -83,6 +83,13 @@ class SchedulerDB:
             [(done_by, shard, it.run_id, it.iteration, tid) for tid in task_ids],
         )
 
+    def put_lost(self, it: Iteration, tasks: list[Task]) -> None:
+        """These tasks' groups are gone (their shard is missing or damaged): not done any more."""
+        self._conn.executemany(
+            "UPDATE sched_tasks SET done_by='', shard='', requeues=? WHERE run_id=? AND iteration=? AND task_id=?",
+            [(t.requeues, it.run_id, it.iteration, t.spec.task_id) for t in tasks],
+        )
+
     def put_requeue(self, it: Iteration, task: Task) -> None:
         self._conn.execute(
             "UPDATE sched_tasks SET requeues=? WHERE run_id=? AND iteration=? AND task_id=?",

@@ -20,7 +20,7 @@ from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.replies import request_id
 from elasticrl.coordinator.service import abort_with, add_service, guarded, optional_member
 from elasticrl.coordinator.wire import MAX_MESSAGE_BYTES
-from elasticrl.errors import InternalError, InvalidRequestError
+from elasticrl.errors import CoordinatorTimeoutError, InternalError, InvalidRequestError
 from elasticrl.scheduler.core import Ack, Assign, Cancel, End, SchedulerCore, WorkerConn
 from elasticrl.scheduler.convert import (
     POLICY_FROM_PB,
@@ -43,8 +43,10 @@ HELLO_TIMEOUT_S = 30.0
 MAX_ENV_ERRORS = 1 << 20  # per release message: a metric, clamped so a bad client cannot skew it wildly
 MAX_TASK_FAILURES = 100
 MAX_WEIGHTS_WAIT_S = 60.0
-# Chunks this large are copied and hashed in a worker thread, off the event loop.
+# Chunks this large are written and hashed in a worker thread, off the event loop.
 THREADED_CHUNK_BYTES = 1 << 20
+# An upload whose next chunk does not come within this long is dropped (its slot and temp file freed).
+UPLOAD_IDLE_S = 120.0
 
 def _out_message(item) -> spb.WorkResponse:
     if isinstance(item, Assign):
@@ -66,6 +68,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore, *, weights: WeightStore | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.core = core
         self.weights = weights if weights is not None else WeightStore(None)
+        self.upload_idle_s = UPLOAD_IDLE_S
         # What FetchWeights sends per message: 4 MiB, or less under a small --max-message-mb.
         self.weight_chunk_bytes = min(CHUNK_BYTES, max_message_bytes // 2)
 
@@ -152,24 +155,30 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
 
     @guarded
     async def PublishWeights(self, chunks, context) -> spb.PublishWeightsReply:
-        """One blob as a stream of chunks: see PublishWeights in scheduler.proto."""
+        """One blob as a stream of chunks: see PublishWeights in scheduler.proto. The chunks go to
+        the upload's temp file; whatever ends the stream (an error, a cancel, the client going
+        away), ``close`` deletes that file unless the blob was committed."""
         upload, i = None, 0
-        async for c in chunks:
-            if upload is None:  # a stale version or an oversized blob is refused before any transfer
-                upload = self.weights.begin(
-                    run_id=c.run_id, version=c.version, total_bytes=c.total_bytes, sha256=c.sha256, format=c.format
-                )
-            else:
-                upload.check_header(i, run_id=c.run_id, version=c.version, total_bytes=c.total_bytes, sha256=c.sha256, format=c.format)
-            if len(c.data) >= THREADED_CHUNK_BYTES:
-                await asyncio.to_thread(upload.add, i, c.offset, c.data)
-            else:
-                upload.add(i, c.offset, c.data)
-            i += 1
-        if upload is None:
-            raise InvalidRequestError("chunks: the stream ended before its first WeightChunk; send at least one")
-        blob = upload.finish()
-        created = await self.weights.commit(blob)
+        try:
+            async for c in _idle_limited(chunks, self.upload_idle_s):
+                if upload is None:  # a stale version or an oversized blob is refused before any transfer
+                    upload = self.weights.begin(
+                        run_id=c.run_id, version=c.version, total_bytes=c.total_bytes, sha256=c.sha256, format=c.format
+                    )
+                else:
+                    upload.check_header(i, run_id=c.run_id, version=c.version, total_bytes=c.total_bytes, sha256=c.sha256, format=c.format)
+                if len(c.data) >= THREADED_CHUNK_BYTES:
+                    await asyncio.to_thread(upload.add, i, c.offset, c.data)
+                else:
+                    upload.add(i, c.offset, c.data)
+                i += 1
+            if upload is None:
+                raise InvalidRequestError("chunks: the stream ended before its first WeightChunk; send at least one")
+            blob = await asyncio.to_thread(upload.finish)
+            created = await self.weights.commit(blob)
+        finally:
+            if upload is not None:
+                upload.close()
         return spb.PublishWeightsReply(version=blob.version, total_bytes=blob.total_bytes, sha256=blob.sha256, created=created)
 
     async def FetchWeights(self, request: spb.FetchWeightsRequest, context):
@@ -183,17 +192,22 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)"
                 )
             blob = await self.weights.wait_newer(run_id, request.have_version, wait_s)
+            # In the same event-loop step as wait_newer's answer: a newer publish may delete the
+            # file afterwards, but not while it is open here (see WeightBlob.open).
+            f = None if blob is None else blob.open()
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await abort_with(context, exc)
             return
         if blob is None:  # nothing newer within wait_s: an empty stream
             return
         step = self.weight_chunk_bytes
-        for offset in range(0, blob.total_bytes, step):
-            yield spb.WeightChunk(
-                run_id=blob.run_id, version=blob.version, total_bytes=blob.total_bytes, offset=offset,
-                data=bytes(blob.data[offset:offset + step]), sha256=blob.sha256, format=blob.format,
-            )
+        with f:
+            for offset in range(0, blob.total_bytes, step):
+                data = await asyncio.to_thread(f.read, step)
+                yield spb.WeightChunk(
+                    run_id=blob.run_id, version=blob.version, total_bytes=blob.total_bytes, offset=offset,
+                    data=data, sha256=blob.sha256, format=blob.format,
+                )
 
     async def Work(self, requests, context):
         """One engine's stream: see the Work RPC in scheduler.proto."""
@@ -272,6 +286,22 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 log.exception("work stream of %s failed", conn.worker.member_id)
                 exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
             conn.send(End(exc))
+
+
+async def _idle_limited(chunks, idle_s: float):
+    """``chunks``, failing the upload when the next one takes longer than ``idle_s``: a client
+    that stalls must not hold an upload slot and its temp file until its own deadline (if any)."""
+    it = chunks.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise CoordinatorTimeoutError(
+                f"chunks: none received for {idle_s:g}s; the upload was dropped, publish again"
+            ) from None
+        yield chunk
 
 
 async def _first(requests):

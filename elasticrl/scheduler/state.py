@@ -240,6 +240,9 @@ class Counters:
     """Episodes whose environment failed, over every attempt."""
     errors: list[str] = dataclasses.field(default_factory=list)
     """Distinct reasons of failed attempts, newest last (at most ``MAX_ERRORS``)."""
+    groups_lost: int = 0
+    """Accepted groups whose shard was missing or unreadable at a start-up (their tasks were
+    queued again, or dropped if the iteration had sealed)."""
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 """Where accepted trajectories live: safetensors shards under the coordinator's state dir.
 
-Each accepted result batch becomes one shard file, written (temp file + rename) before the
-acceptance is committed to SQLite and acknowledged, so a coordinator killed at any moment loses no
-group a worker was told is stored; a shard whose commit never happened is simply never referenced.
+Each accepted result batch becomes one shard file, written (temp file + rename, and with fsync on
+the file and then its directory) before the acceptance is committed to SQLite and acknowledged, so
+a coordinator killed at any moment loses no group a worker was told is stored; a shard whose commit
+never happened is never referenced, and is removed at the next start (``remove_unreferenced``).
 A sealed iteration also gets ``manifest.json``. Layout::
 
     <state-dir>/trajectories/<run id>/<iteration, 8 digits>/shard-<n>.safetensors
@@ -44,6 +45,7 @@ from elasticrl.scheduler.state import GroupRecord, SampleRecord
 
 FORMAT = "elasticrl.trajectories.v2"
 MANIFEST = "manifest.json"
+SHARD_GLOB = "shard-[0-9][0-9][0-9][0-9][0-9][0-9].safetensors"
 
 
 class TrajectoryStore:
@@ -70,7 +72,7 @@ class TrajectoryStore:
             self._memory[(run_id, iteration, name)] = list(groups)
             return name
         directory = self.iteration_dir(run_id, iteration)
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_dirs(directory, fsync=self.fsync)
         _atomic_write(directory / name, shard_chunks(run_id, iteration, groups), fsync=self.fsync)
         return name
 
@@ -97,11 +99,33 @@ class TrajectoryStore:
             data = (self.iteration_dir(run_id, iteration) / name).read_bytes()
         return decode_shard(data)
 
+    def shard_names(self, run_id: str, iteration: int) -> set[str]:
+        """Names of the shard files of an iteration on disk (durable store) or in memory."""
+        if self.root is None:
+            return {k[2] for k in self._memory if k[:2] == (run_id, iteration)}
+        directory = self.iteration_dir(run_id, iteration)
+        return {p.name for p in directory.glob(SHARD_GLOB)} if directory.exists() else set()
+
+    def remove_unreferenced(self, run_id: str, iteration: int, keep: set[str]) -> list[str]:
+        """Delete the iteration's shard files not in ``keep`` and its temp files (leftovers of a
+        crash between writing a shard and committing it, or mid-write); returns their names.
+        Call only at start-up, before any shard is written. Other files are left alone."""
+        if self.root is None:
+            return []
+        directory = self.iteration_dir(run_id, iteration)
+        if not directory.exists():
+            return []
+        gone = sorted(p.name for p in directory.glob(SHARD_GLOB) if p.name not in keep)
+        gone += sorted(p.name for p in directory.glob("*.tmp"))
+        for name in gone:
+            (directory / name).unlink(missing_ok=True)
+        return gone
+
     def write_manifest(self, run_id: str, iteration: int, manifest: dict) -> None:
         if self.root is None:
             return
         directory = self.iteration_dir(run_id, iteration)
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_dirs(directory, fsync=self.fsync)
         _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode(), fsync=self.fsync)
 
 
@@ -116,6 +140,31 @@ def _atomic_write(path: pathlib.Path, data: bytes | list, *, fsync: bool) -> Non
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+    if fsync:  # make the rename itself durable: without it a crash can lose a committed shard
+        _fsync_dir(path.parent)
+
+
+def _make_dirs(directory: pathlib.Path, *, fsync: bool) -> None:
+    """``mkdir -p``; with ``fsync``, each directory created is made durable in its parent too."""
+    if directory.is_dir():
+        return
+    created = []
+    d = directory
+    while not d.exists():
+        created.append(d)
+        d = d.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    if fsync:
+        for d in reversed(created):
+            _fsync_dir(d.parent)
+
+
+def _fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 _DTYPES = {"<i4": "I32", "<f4": "F32", "|u1": "U8"}

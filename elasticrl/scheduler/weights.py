@@ -2,23 +2,28 @@
 
 Rollout-only workers join a run at any time and have no shared filesystem with the trainer, so
 the trainer publishes every new policy version to the coordinator and workers fetch the newest
-one from it. ``WeightStore`` holds one blob per run in memory and, when the coordinator has a state
-dir, on disk as well (written before the publish is acknowledged), so a coordinator restarted
-after ``kill -9`` serves the same version again. Layout::
+one from it. ``WeightStore`` keeps one blob per run as a file: under ``<state-dir>/weights`` when
+the coordinator has a state dir (written before the publish is acknowledged, so a coordinator
+restarted after ``kill -9`` serves the same version again), else in a private temp directory
+removed when the process exits. Blobs are never held in memory: an upload is spooled chunk by
+chunk to a temp file beside its final place, and a fetch reads the file. Layout::
 
-    <state-dir>/weights/<run id>/v<version, 20 digits>.safetensors   the blob, byte for byte
-                                /current.json                       {version, sha256, format,
-                                                                     total_bytes, file}
+    <weights dir>/<run id>/v<version, 20 digits>.safetensors   the blob, byte for byte
+                          /current.json                       {version, sha256, format,
+                                                               total_bytes, file}
+                          /v<version>.<random>.upload.tmp     an upload in progress
 
-Both files are written as temp file + rename; the blob first, then ``current.json``, and older
-blobs are deleted last, so a crash at any moment leaves ``current.json`` naming a complete file.
+An upload is checked before it takes anything (header fields, size limit, version, the cap on
+concurrent uploads), then chunk by chunk (offsets, size), then as a whole (total size, sha256, a
+safetensors header); only then is its temp file renamed into place, ``current.json`` replaced,
+and older blobs deleted, so a crash at any moment leaves ``current.json`` naming a complete file,
+and a torn or corrupted upload leaves the previous version served. The temp file of an upload
+that fails or whose stream goes away is deleted at once (``WeightUpload.close``); leftovers of a
+crash are deleted at start-up.
 
 Versions are fencing tokens: a publish whose version is not above the stored one is refused
 (``FencedError``, FAILED_PRECONDITION: a stale trainer must not roll the policy back), except the
-same version with the same sha256, which is a retried publish and succeeds again. An upload is
-checked chunk by chunk (``WeightUpload``: offsets, size limit) and as a whole (total size, sha256,
-a safetensors header) before it replaces anything, so a torn or corrupted upload leaves the
-previous version served.
+same version with the same sha256, which is a retried publish and succeeds again.
 
 ``pack_state_dict`` / ``unpack_state_dict`` turn a state dict into such a blob and back (torch is
 imported inside them; the coordinator itself never decodes tensors).
@@ -34,9 +39,10 @@ import logging
 import os
 import pathlib
 import re
+import tempfile
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from elasticrl.coordinator import validate as v
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
@@ -49,27 +55,37 @@ log = logging.getLogger(__name__)
 FORMAT = "safetensors"
 DIR_NAME = "weights"
 CURRENT = "current.json"
+UPLOAD_SUFFIX = ".upload.tmp"
 CHUNK_BYTES = 4 << 20
 """Data per ``WeightChunk`` message, well below the default 64 MiB gRPC message limit."""
 DEFAULT_MAX_BLOB_BYTES = 16 << 30
 """Largest blob a coordinator accepts by default (16 GiB: an 8B-parameter policy in bf16)."""
+DEFAULT_MAX_UPLOADS = 4
+"""Uploads a coordinator receives at once by default (``--max-weight-uploads``)."""
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightBlob:
-    """One stored policy version. ``data`` is read-only and never changes once stored."""
+    """One stored policy version: a verified file that never changes while it is stored."""
 
     run_id: str
     version: int
     sha256: str
     format: str
-    data: memoryview
+    total_bytes: int
+    path: pathlib.Path
 
-    @property
-    def total_bytes(self) -> int:
-        return self.data.nbytes
+    def open(self) -> BinaryIO:
+        """The blob's file, open for reading. The store deletes a blob's file only after a newer
+        blob replaced it, so open it in the same event-loop step that ``latest`` or
+        ``wait_newer`` returned it: the open file stays readable whatever is published next."""
+        return open(self.path, "rb")
+
+    def read_bytes(self) -> bytes:
+        """The whole blob in memory (tests, small blobs; fetches stream ``open()`` instead)."""
+        return self.path.read_bytes()
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -98,43 +114,41 @@ def check_publish(current: WeightBlob | None, run_id: str, version: int, sha256:
     )
 
 
-def check_safetensors_header(data: bytes | bytearray | memoryview) -> None:
-    """Refuse a blob that does not start like a safetensors file (8-byte length + JSON object)."""
-    view = memoryview(data)
-    if view.nbytes < 8:
-        raise InvalidRequestError(f"data: {view.nbytes} bytes is too short for a safetensors file (at least 8)")
-    n = int.from_bytes(view[:8], "little")
-    if n > min(MAX_SAFETENSORS_HEADER, view.nbytes - 8):
+def check_safetensors_file(f: BinaryIO, total_bytes: int) -> None:
+    """Refuse a file that does not start like a safetensors file (8-byte length + JSON object).
+    Reads only the header, from the start of ``f``."""
+    if total_bytes < 8:
+        raise InvalidRequestError(f"data: {total_bytes} bytes is too short for a safetensors file (at least 8)")
+    f.seek(0)
+    n = int.from_bytes(f.read(8), "little")
+    if n > min(MAX_SAFETENSORS_HEADER, total_bytes - 8):
         raise InvalidRequestError(
-            f"data: the safetensors header claims {n} bytes but the blob has {view.nbytes - 8} after its length; "
+            f"data: the safetensors header claims {n} bytes but the blob has {total_bytes - 8} after its length; "
             "send the output of safetensors' save (pack_state_dict)"
         )
     try:
-        header = json.loads(bytes(view[8:8 + n]))
+        header = json.loads(f.read(n))
     except (UnicodeDecodeError, ValueError):
         header = None
     if not isinstance(header, dict):
         raise InvalidRequestError("data: the safetensors header is not a JSON object; send the output of pack_state_dict")
 
 
-class WeightUpload:
-    """Assembles one publish stream: validates its header, places each chunk, verifies the whole.
+@dataclasses.dataclass(frozen=True)
+class UploadHeader:
+    """The fields of an upload's first chunk, checked: what blob the stream promises."""
 
-    No I/O and no protobuf: the servicer feeds it the chunks' fields. ``add`` copies and hashes a
-    chunk (the servicer runs it in a thread: both release the GIL on large buffers).
-    """
+    run_id: str
+    version: int
+    total_bytes: int
+    sha256: str
+    format: str
 
-    def __init__(
-        self,
-        *,
-        run_id: str,
-        version: int,
-        total_bytes: int,
-        sha256: str,
-        format: str,
-        max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
-    ):
-        self.run_id = v.ident("run_id", run_id)
+    @classmethod
+    def checked(
+        cls, *, run_id: str, version: int, total_bytes: int, sha256: str, format: str, max_blob_bytes: int,
+    ) -> "UploadHeader":
+        run_id = v.ident("run_id", run_id)
         if version < 0:
             raise InvalidRequestError(f"version: {version} must be >= 0 (versions increase with each publish)")
         if format != FORMAT:
@@ -148,19 +162,37 @@ class WeightUpload:
                 f"total_bytes: {total_bytes} bytes ({total_bytes / 2**30:.2f} GiB) exceeds this coordinator's "
                 f"weights limit of {max_blob_bytes} bytes ({max_blob_bytes / 2**30:.2f} GiB)"
             )
-        self.version = version
-        self.total_bytes = total_bytes
-        self.sha256 = sha256
-        self.format = format
+        return cls(run_id, version, total_bytes, sha256, format)
+
+
+class WeightUpload:
+    """One publish stream being received: each chunk is checked, appended to the upload's temp file
+    and hashed; ``finish`` verifies the whole. Made by ``WeightStore.begin`` only.
+
+    No protobuf: the servicer feeds it the chunks' fields. ``add`` and ``finish`` do file I/O (the
+    servicer runs them in a thread for large chunks). Whatever happens, the owner calls ``close``,
+    which deletes the temp file unless the blob was committed and frees the upload's slot.
+    """
+
+    def __init__(self, header: UploadHeader, path: pathlib.Path, file: BinaryIO, store: "WeightStore"):
+        self.header = header
+        self.path = path
         self.received = 0
-        self._buf = bytearray(total_bytes)
+        self._file: BinaryIO | None = file
         self._hash = hashlib.sha256()
+        self._store = store
+        self._closed = False
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header.total_bytes
 
     def check_header(self, i: int, *, run_id: str, version: int, total_bytes: int, sha256: str, format: str) -> None:
         """Chunk ``i`` may leave its header fields empty/0; when set they must equal the first's."""
+        h = self.header
         for field, sent, first in (
-            ("run_id", run_id, self.run_id), ("version", version, self.version),
-            ("total_bytes", total_bytes, self.total_bytes), ("sha256", sha256, self.sha256), ("format", format, self.format),
+            ("run_id", run_id, h.run_id), ("version", version, h.version),
+            ("total_bytes", total_bytes, h.total_bytes), ("sha256", sha256, h.sha256), ("format", format, h.format),
         ):
             if sent and sent != first:
                 raise InvalidRequestError(f"chunk {i}: {field} {sent!r} differs from the first chunk's {first!r}; one stream uploads one blob")
@@ -173,32 +205,64 @@ class WeightUpload:
         end = offset + len(data)
         if end > self.total_bytes:
             raise InvalidRequestError(f"chunk {i}: data runs to byte {end}, past total_bytes {self.total_bytes}")
-        self._buf[offset:end] = data
+        f = self._file
+        assert f is not None, "add after finish or close"
+        f.write(data)
+        f.flush()  # on disk, not in a buffer: the temp file's size is what was received
         self._hash.update(data)
         self.received = end
 
     def finish(self) -> WeightBlob:
-        """The verified blob. ``InvalidRequestError`` names what did not match."""
+        """The verified blob, still at its temp path (``WeightStore.commit`` moves it into place).
+        ``InvalidRequestError`` names what did not match."""
         if self.received != self.total_bytes:
             raise InvalidRequestError(
                 f"total_bytes: the stream ended after {self.received} of {self.total_bytes} bytes (a torn upload); "
                 "nothing was stored, publish again"
             )
         digest = self._hash.hexdigest()
-        if digest != self.sha256:
+        if digest != self.header.sha256:
             raise InvalidRequestError(
-                f"sha256: the {self.total_bytes} bytes received hash to {digest}, the upload declared {self.sha256} "
+                f"sha256: the {self.total_bytes} bytes received hash to {digest}, the upload declared {self.header.sha256} "
                 "(corrupted in transit or a wrong digest); nothing was stored"
             )
-        check_safetensors_header(self._buf)
-        return WeightBlob(self.run_id, self.version, self.sha256, self.format, memoryview(self._buf).toreadonly())
+        assert self._file is not None, "finish after close"
+        f, self._file = self._file, None
+        try:
+            f.flush()
+            if self._store.fsync:
+                os.fsync(f.fileno())
+        finally:
+            f.close()
+        with open(self.path, "rb") as f:
+            check_safetensors_file(f, self.total_bytes)
+        # Received and verified: the slot is free; the temp file now belongs to the blob, which
+        # ``commit`` moves into place or deletes (``close`` still deletes it if commit never runs).
+        self._store._uploads.discard(self)
+        h = self.header
+        return WeightBlob(h.run_id, h.version, h.sha256, h.format, h.total_bytes, self.path)
+
+    def close(self) -> None:
+        """Release everything the upload holds: its file handle, its temp file (gone already if
+        the blob was committed: it was renamed), its slot. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)
+        self._store._uploads.discard(self)
 
 
 class WeightStore:
-    """The newest weights of each run; durable under ``root`` when given.
+    """The newest weights of each run, as files: durable under ``root`` when given, else in a
+    private temp directory.
 
-    Methods that change or wait run on the coordinator's event loop; ``commit`` writes the file in
-    a worker thread so a multi-GiB blob does not stall leases.
+    Methods that change or wait run on the coordinator's event loop; file work that can be slow
+    (renames and fsyncs of a commit) runs in a worker thread so a multi-GiB blob does not stall
+    leases. A blob's file is deleted only after a newer blob replaced it in ``latest`` (see
+    ``WeightBlob.open``).
     """
 
     def __init__(
@@ -207,18 +271,29 @@ class WeightStore:
         *,
         fsync: bool = False,
         max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+        max_uploads: int = DEFAULT_MAX_UPLOADS,
     ):
         if max_blob_bytes < 1:
             raise ValueError(f"max_blob_bytes: {max_blob_bytes} must be >= 1")
+        if max_uploads < 1:
+            raise ValueError(f"max_uploads: {max_uploads} must be >= 1 (uploads received at once)")
         self.root = None if root is None else pathlib.Path(root)
         self.fsync = fsync
         self.max_blob_bytes = max_blob_bytes
+        self.max_uploads = max_uploads
         self._blobs: dict[str, WeightBlob] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._published: dict[str, asyncio.Event] = {}  # set (and replaced) on every new version
+        self._uploads: set[WeightUpload] = set()
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
+            self.directory = self.root
             self._load()
+        else:
+            # Not durable, but still not in memory: under $TMPDIR (so RAM after all if that is a
+            # tmpfs), deleted with this object or at exit.
+            self._tmp = tempfile.TemporaryDirectory(prefix="elasticrl-weights-")
+            self.directory = pathlib.Path(self._tmp.name)
 
     def latest(self, run_id: str) -> WeightBlob | None:
         return self._blobs.get(run_id)
@@ -226,32 +301,60 @@ class WeightStore:
     def runs(self) -> list[str]:
         return sorted(self._blobs)
 
+    @property
+    def uploads_in_progress(self) -> int:
+        return len(self._uploads)
+
     def begin(self, *, run_id: str, version: int, total_bytes: int, sha256: str, format: str) -> WeightUpload:
-        """Start an upload. Refuses at once what could never be stored (a stale version, a blob
-        over the limit) so such a publish costs no transfer."""
-        upload = WeightUpload(
+        """Start an upload; the caller must ``close`` it. Refuses at once, before taking any
+        memory or disk, what could never be stored (a bad header, a blob over the limit, a stale
+        version) and an upload over the cap on concurrent ones, so such a publish costs nothing."""
+        header = UploadHeader.checked(
             run_id=run_id, version=version, total_bytes=total_bytes, sha256=sha256, format=format,
             max_blob_bytes=self.max_blob_bytes,
         )
-        check_publish(self._blobs.get(run_id), run_id, version, sha256)
+        check_publish(self._blobs.get(header.run_id), header.run_id, version, sha256)
+        if len(self._uploads) >= self.max_uploads:
+            raise ResourceLimitError(
+                f"weights of run {header.run_id!r}: {len(self._uploads)} weight uploads are already in progress, "
+                f"this coordinator's limit (--max-weight-uploads {self.max_uploads}); publish again once one "
+                "finishes, or start the coordinator with a higher --max-weight-uploads"
+            )
+        directory = self.run_dir(header.run_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=directory, prefix=f"v{version:020d}.", suffix=UPLOAD_SUFFIX)
+        upload = WeightUpload(header, pathlib.Path(name), os.fdopen(fd, "wb"), self)
+        self._uploads.add(upload)
         return upload
 
     async def commit(self, blob: WeightBlob) -> bool:
-        """Store ``blob`` as its run's newest version and wake the waiters; on disk first when
-        durable. Returns False for an idempotent re-publish. ``FencedError`` if a newer version was
-        stored meanwhile (the check is repeated under the run's lock)."""
+        """Store ``blob`` (a finished upload, at its temp path) as its run's newest version and
+        wake the waiters. Returns False for an idempotent re-publish. ``FencedError`` if a newer
+        version was stored meanwhile (the check is repeated under the run's lock). The temp file
+        is moved into place or deleted, never left behind."""
         lock = self._locks.setdefault(blob.run_id, asyncio.Lock())
         async with lock:
-            if not check_publish(self._blobs.get(blob.run_id), blob.run_id, blob.version, blob.sha256):
+            try:
+                fresh = check_publish(self._blobs.get(blob.run_id), blob.run_id, blob.version, blob.sha256)
+            except FencedError:
+                blob.path.unlink(missing_ok=True)
+                raise
+            if not fresh:
+                blob.path.unlink(missing_ok=True)
                 return False
-            if self.root is not None:
-                await asyncio.to_thread(self._write, blob)
-            self._blobs[blob.run_id] = blob
+            try:
+                stored = await asyncio.to_thread(self._install, blob)
+            except BaseException:
+                blob.path.unlink(missing_ok=True)
+                raise
+            self._blobs[blob.run_id] = stored
             event = self._published.pop(blob.run_id, None)
             if event is not None:
                 event.set()
-        log.info("weights of run %s: version %d stored (%d bytes, sha256 %s)", blob.run_id, blob.version,
-                 blob.total_bytes, blob.sha256[:12])
+            # Only now, with the new blob current: a fetch holding the old one has it open.
+            await asyncio.to_thread(self._remove_older, stored)
+        log.info("weights of run %s: version %d stored (%d bytes, sha256 %s)", stored.run_id, stored.version,
+                 stored.total_bytes, stored.sha256[:12])
         return True
 
     async def wait_newer(self, run_id: str, have_version: int, wait_s: float) -> WeightBlob | None:
@@ -274,24 +377,31 @@ class WeightStore:
     # -- disk ----------------------------------------------------------------------------------
 
     def run_dir(self, run_id: str) -> pathlib.Path:
-        assert self.root is not None, "in-memory store has no directories"
-        return self.root / v.ident("run_id", run_id)
+        return self.directory / v.ident("run_id", run_id)
 
-    def _write(self, blob: WeightBlob) -> None:
+    def _install(self, blob: WeightBlob) -> WeightBlob:
+        """Rename a verified temp file into place, then point ``current.json`` at it."""
         directory = self.run_dir(blob.run_id)
-        directory.mkdir(parents=True, exist_ok=True)
         name = f"v{blob.version:020d}.{FORMAT}"
-        _atomic_write(directory / name, blob.data, fsync=self.fsync)
-        meta = {"version": blob.version, "sha256": blob.sha256, "format": blob.format,
-                "total_bytes": blob.total_bytes, "file": name}
-        _atomic_write(directory / CURRENT, json.dumps(meta, indent=2, sort_keys=True).encode(), fsync=self.fsync)
-        for old in directory.glob(f"v*.{FORMAT}"):
-            if old.name != name:
+        os.replace(blob.path, directory / name)
+        if self.fsync:  # the rename, and the run's directory itself (new at a run's first publish)
+            _fsync_dir(directory)
+            _fsync_dir(directory.parent)
+        if self.root is not None:
+            meta = {"version": blob.version, "sha256": blob.sha256, "format": blob.format,
+                    "total_bytes": blob.total_bytes, "file": name}
+            _atomic_write(directory / CURRENT, json.dumps(meta, indent=2, sort_keys=True).encode(), fsync=self.fsync)
+        return dataclasses.replace(blob, path=directory / name)
+
+    def _remove_older(self, blob: WeightBlob) -> None:
+        for old in self.run_dir(blob.run_id).glob(f"v*.{FORMAT}"):
+            if old != blob.path:
                 old.unlink(missing_ok=True)
 
     def _load(self) -> None:
         """Read back every run's current blob, verifying it; a damaged one is logged and skipped
-        (serving nothing beats serving corrupt weights), and leftovers of a crash are removed."""
+        (serving nothing beats serving corrupt weights), and leftovers of a crash (temp files of
+        uploads and writes, blobs never made current) are removed."""
         assert self.root is not None
         for directory in sorted(p for p in self.root.iterdir() if p.is_dir()):
             for tmp in directory.glob("*.tmp"):
@@ -301,11 +411,14 @@ class WeightStore:
                 continue
             try:
                 meta = json.loads(current.read_text())
-                data = (directory / meta["file"]).read_bytes()
-                if len(data) != meta["total_bytes"] or sha256_hex(data) != meta["sha256"]:
+                path = directory / meta["file"]
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    digest = _sha256_of(f)
+                if size != meta["total_bytes"] or digest != meta["sha256"]:
                     raise ValueError(f"{meta['file']} does not match its size or sha256 in {CURRENT}")
                 blob = WeightBlob(v.ident("run_id", directory.name), int(meta["version"]), meta["sha256"],
-                                  meta["format"], memoryview(data))
+                                  meta["format"], size, path)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("weights under %s are damaged and will not be served: %s", directory, exc)
                 continue
@@ -325,11 +438,23 @@ def _atomic_write(path: pathlib.Path, data: bytes | memoryview, *, fsync: bool) 
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if fsync:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(path.parent)
+
+
+def _sha256_of(f: BinaryIO) -> str:
+    """sha256 of a file read in chunks (``hashlib.file_digest`` needs Python 3.11)."""
+    h = hashlib.sha256()
+    while chunk := f.read(CHUNK_BYTES):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- helpers for the trainer and the workers --------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
 from elasticrl.scheduler.weights import (
     CURRENT,
+    UPLOAD_SUFFIX,
     WeightStore,
     pack_state_dict,
     sha256_hex,
@@ -48,7 +50,7 @@ def test_versions_must_increase_and_the_error_names_both():
         upload(store, 3, blob_of(3))
     with pytest.raises(FencedError, match=r"version 5 is already stored"):
         upload(store, 5, blob_of(6))  # same version, other bytes
-    assert store.latest(RUN).version == 5 and bytes(store.latest(RUN).data) == blob_of(5)
+    assert store.latest(RUN).version == 5 and store.latest(RUN).read_bytes() == blob_of(5)
     assert publish(store, 1, blob_of(1), run="run-b") is True  # versions are per run
 
 
@@ -97,7 +99,7 @@ def test_a_corrupted_or_torn_upload_is_refused_and_the_previous_version_stays(co
         else:
             up.add(0, 0, data + b"extra")
         up.finish()
-    assert store.latest(RUN).version == 1 and bytes(store.latest(RUN).data) == blob_of(1)
+    assert store.latest(RUN).version == 1 and store.latest(RUN).read_bytes() == blob_of(1)
 
 
 def test_a_later_chunk_may_not_switch_blobs():
@@ -143,10 +145,11 @@ def test_a_restarted_store_serves_the_newest_version_from_disk(tmp_path):
     files = sorted(p.name for p in (root / RUN).iterdir())
     assert files == [CURRENT, f"v{2:020d}.safetensors"], files  # the older blob is gone
     (root / RUN / "v00000000000000000003.safetensors.tmp").write_bytes(b"half a blob")  # a crash mid-write
+    (root / RUN / f"v{3:020d}.abc123{UPLOAD_SUFFIX}").write_bytes(b"a torn upload")  # a crash mid-upload
 
     again = WeightStore(root)
     blob = again.latest(RUN)
-    assert blob is not None and blob.version == 2 and bytes(blob.data) == blob_of(2)
+    assert blob is not None and blob.version == 2 and blob.read_bytes() == blob_of(2)
     assert blob.sha256 == sha256_hex(blob_of(2))
     assert not list((root / RUN).glob("*.tmp"))
     with pytest.raises(FencedError, match="older than the stored version 2"):  # versions survive too
@@ -178,6 +181,90 @@ def test_a_damaged_blob_on_disk_is_not_served(tmp_path, caplog):
     assert "damaged" in caplog.text
 
 
+def spooled(store: WeightStore, run: str = RUN) -> list[str]:
+    """Names of the upload temp files under the store's directory."""
+    return sorted(p.name for p in store.directory.rglob(f"*{UPLOAD_SUFFIX}"))
+
+
+def begin(store: WeightStore, version: int, total_bytes: int = 3 << 30):
+    return store.begin(run_id=RUN, version=version, total_bytes=total_bytes, sha256="0" * 64, format="safetensors")
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_an_upload_spools_to_a_temp_file_and_close_deletes_it(tmp_path, durable):
+    store = WeightStore(tmp_path / "weights" if durable else None)
+    up = begin(store, 1)  # 3 GiB declared: nothing is allocated for it
+    up.add(0, 0, b"0123456789")
+    up.add(1, 10, b"abc")
+    [name] = spooled(store)
+    assert name.startswith(f"v{1:020d}.") and (store.run_dir(RUN) / name).stat().st_size == 13
+    up.close()
+    up.close()  # idempotent
+    assert spooled(store) == [] and store.uploads_in_progress == 0
+
+
+def test_concurrent_uploads_over_the_cap_are_refused_naming_the_option():
+    store = WeightStore(None, max_uploads=2)
+    first, second = begin(store, 1), begin(store, 2)
+    with pytest.raises(ResourceLimitError, match=r"2 weight uploads are already in progress.*--max-weight-uploads"):
+        begin(store, 3)
+    assert len(spooled(store)) == 2  # the refused one took nothing
+    first.close()
+    third = begin(store, 3)
+    second.close()
+    third.close()
+    assert store.uploads_in_progress == 0 and spooled(store) == []
+
+
+def test_a_stale_version_is_refused_before_any_file_is_made():
+    store = WeightStore(None)
+    publish(store, 5, blob_of(5))
+    with pytest.raises(FencedError):
+        begin(store, 4)
+    assert spooled(store) == [] and store.uploads_in_progress == 0
+
+
+def test_finished_uploads_free_their_slot_and_commit_leaves_no_temp_file(tmp_path):
+    store = WeightStore(tmp_path / "weights", max_uploads=1)
+    for version in (1, 2, 2):  # the last is an idempotent retry: its temp file is deleted too
+        publish(store, version, blob_of(version))
+    older = upload(store, 2, blob_of(2))  # verified, then fenced at commit by version 3
+    asyncio.run(store.commit(upload(store, 3, blob_of(3))))
+    with pytest.raises(FencedError):
+        asyncio.run(store.commit(older))
+    assert spooled(store) == []
+    assert sorted(p.name for p in store.run_dir(RUN).iterdir()) == [CURRENT, f"v{3:020d}.safetensors"]
+    assert store.latest(RUN).path == store.run_dir(RUN) / f"v{3:020d}.safetensors"
+
+
+def test_a_fetch_that_opened_a_blob_reads_it_whole_after_a_newer_publish(tmp_path):
+    store = WeightStore(tmp_path / "weights")
+    publish(store, 1, blob_of(1, n=4096))
+    with store.latest(RUN).open() as f:
+        head = f.read(100)
+        publish(store, 2, blob_of(2))  # deletes version 1's file
+        assert not (store.run_dir(RUN) / f"v{1:020d}.safetensors").exists()
+        assert head + f.read() == blob_of(1, n=4096)
+    assert store.latest(RUN).read_bytes() == blob_of(2)
+
+
+def test_with_fsync_the_blob_and_its_directory_are_synced(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    store = WeightStore(tmp_path / "weights", fsync=True)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    publish(store, 1, blob_of(1))
+    run_dir = str(store.run_dir(RUN))
+    assert any(p.endswith(UPLOAD_SUFFIX) for p in synced), synced  # the data, before the rename
+    assert run_dir in synced, synced  # the rename
+    assert synced.index(run_dir) > next(i for i, p in enumerate(synced) if p.endswith(UPLOAD_SUFFIX))
+
+
 def test_a_waiter_is_woken_by_a_publish():
     store = WeightStore(None)
     publish(store, 1, blob_of(1))
@@ -193,7 +280,7 @@ def test_a_waiter_is_woken_by_a_publish():
         return await asyncio.wait_for(waiter, 2.0)
 
     blob = asyncio.run(scenario())
-    assert blob.version == 2 and bytes(blob.data) == blob_of(2)
+    assert blob.version == 2 and blob.read_bytes() == blob_of(2)
 
 
 def test_wait_returns_at_once_when_newer_and_none_after_the_wait():
@@ -230,3 +317,36 @@ def test_pack_unpack_round_trip_keeps_dtypes_shapes_values_and_tied_weights():
         assert torch.equal(out[name], t), name
     with pytest.raises(TypeError, match=r"state\['x'\]: list is not a tensor"):
         pack_state_dict({"x": [1, 2]})
+
+
+def test_a_stalled_upload_is_dropped_after_the_idle_timeout_freeing_its_slot_and_file():
+    """The servicer with a fake context: a client that sends one chunk and then nothing must not
+    hold an upload slot and a temp file until its own deadline."""
+    import grpc
+
+    from elasticrl._proto import scheduler_pb2 as spb
+    from elasticrl.scheduler.service import SchedulerServicer
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details, trailing_metadata=()):
+            self.code, self.details = code, details
+            raise Aborted()
+
+    store = WeightStore(None, max_uploads=1)
+    servicer = SchedulerServicer(None, weights=store)
+    servicer.upload_idle_s = 0.05
+
+    async def stalled():
+        yield spb.WeightChunk(run_id=RUN, version=1, total_bytes=3 << 30, offset=0, data=b"0123456789",
+                              sha256="0" * 64, format="safetensors")
+        await asyncio.sleep(30)
+
+    context = Context()
+    with pytest.raises(Aborted):
+        asyncio.run(asyncio.wait_for(servicer.PublishWeights(stalled(), context), 10))
+    assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "chunks: none received for 0.05s" in context.details
+    assert store.uploads_in_progress == 0 and spooled(store) == []

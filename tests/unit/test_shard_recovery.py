@@ -1,0 +1,134 @@
+"""Shard durability: the store fsyncs the shard's directory after the rename (with fsync on), and
+a restart on damaged files does not stop the scheduler: a missing or corrupt shard's groups are
+lost (counted, their tasks queued again while the iteration is open), orphan shards are removed.
+A real SchedulerCore on an injected clock over the same state dir, as in test_scheduler_core."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from elasticrl.scheduler.state import IterationConfig, Split, TaskStatus
+from elasticrl.scheduler.store import MANIFEST, TrajectoryStore
+
+from tests.unit.scheduler_harness import RUN, Clock, Harness, assigned, drain, group, specs
+
+
+def ids(*numbers: int) -> list[str]:
+    return [f"t{i:02d}" for i in numbers]
+
+
+def accept(h: Harness, conn, *task_ids: str, iteration: int = 1):
+    return h.sched.accept(conn, [(iteration, group(tid)) for tid in task_ids])
+
+
+def restart(h: Harness, tmp_path, seconds: float = 10.0) -> Harness:
+    h.coord.db.close()
+    return Harness(clock=Clock(now=5.0, wall_offset=h.clock.wall() + seconds - 5.0), state_dir=tmp_path)
+
+
+def test_with_fsync_a_shard_and_its_directory_are_synced_after_the_rename(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store = TrajectoryStore(tmp_path / "trajectories", fsync=True)
+    directory = store.iteration_dir(RUN, 1)
+    name = store.write_shard(RUN, 1, [(group("t00"), [1, 2])])
+    # the directories it had to create first, each in its parent; then the file; then the rename
+    parents = [str(tmp_path), str(tmp_path / "trajectories"), str(directory.parent)]
+    assert synced == parents + [f"{directory}/{name}.tmp", str(directory)], synced
+    synced.clear()
+    name = store.write_shard(RUN, 1, [(group("t01"), [1, 2])])
+    assert synced == [f"{directory}/{name}.tmp", str(directory)], synced
+    synced.clear()
+    TrajectoryStore(tmp_path / "other").write_shard(RUN, 1, [(group("t00"), [1, 2])])
+    assert synced == []  # fsync off: nothing synced
+
+
+def test_a_missing_and_a_corrupt_shard_of_an_open_iteration_are_requeued_and_it_completes(tmp_path, caplog):
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=4)
+    h1.sched.submit(RUN, 1, specs(6), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 1, 2, 3)
+    accept(h1, a, "t00", "t01")
+    accept(h1, a, "t02")
+    accept(h1, a, "t03")
+    shards = h1.it().shard_of
+    directory = h1.store.iteration_dir(RUN, 1)
+    (directory / shards["t00"]).unlink()  # t00 and t01: a rename that never reached the disk
+    data = (directory / shards["t02"]).read_bytes()
+    (directory / shards["t02"]).write_bytes(data[: len(data) // 2])  # t02: a torn file
+
+    with caplog.at_level(logging.WARNING, logger="elasticrl.scheduler"):
+        h2 = restart(h1, tmp_path)  # starts instead of raising
+    it = h2.it()
+    assert "3 group(s) lost" in caplog.text and shards["t00"] in caplog.text and shards["t02"] in caplog.text
+    assert [it.tasks[t].status for t in ids(0, 1, 2, 3)] == [TaskStatus.QUEUED] * 3 + [TaskStatus.DONE]
+    assert list(it.queue) == ids(0, 1, 2, 4, 5)  # the lost ones first, in order
+    assert sorted(it.groups) == ["t03"] and sorted(it.shard_of) == ["t03"]
+    m = h2.sched.manifest(it)
+    assert (m["groups_lost"], m["tasks_done"], m["requeued"]) == (3, 1, 3)
+    assert [(n["node"], n["done"]) for n in m["nodes"]] == [("a", 1)]
+    assert not (directory / shards["t02"]).exists()  # unreferenced now: removed with the orphans
+
+    b = h2.worker("b", slots=8)
+    assert assigned(drain(b)) == ids(0, 1, 2, 4, 5)
+    accept(h2, b, *ids(0, 1, 2, 4, 5))
+    assert it.sealed and it.seal_reason == "all 6 tasks done"
+    got = {g.task_id: g for g, _ in h2.sched.shard(RUN, 1, 0, 1, Split.TRAIN)}
+    assert sorted(got) == ids(0, 1, 2, 3, 4, 5) and got["t00"].node == "b" and got["t03"].node == "a"
+    assert json.loads((directory / MANIFEST).read_text())["groups_lost"] == 3
+    from elasticrl.status_table import render_iteration
+
+    assert "3 group(s) lost with their shard files" in render_iteration(h2.sched.manifest(it))  # `elasticrl status`
+
+    caplog.clear()
+    h3 = restart(h2, tmp_path)  # the loss was recorded: nothing is found lost again
+    assert h3.it().counters.groups_lost == 3 and "lost" not in caplog.text
+    assert sorted(g.task_id for g, _ in h3.sched.shard(RUN, 1, 0, 1, Split.TRAIN)) == ids(0, 1, 2, 3, 4, 5)
+
+
+def test_a_missing_shard_of_a_sealed_iteration_drops_its_groups(tmp_path):
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=4)
+    h1.sched.submit(RUN, 1, specs(3), IterationConfig())
+    accept(h1, a, "t00")
+    accept(h1, a, "t01", "t02")
+    assert h1.it().sealed
+    directory = h1.store.iteration_dir(RUN, 1)
+    (directory / h1.it().shard_of["t00"]).unlink()
+
+    h2 = restart(h1, tmp_path)
+    it = h2.it()
+    assert it.sealed and it.tasks["t00"].status is TaskStatus.DROPPED
+    assert [g.task_id for g, _ in h2.sched.shard(RUN, 1, 0, 1, Split.TRAIN)] == ids(1, 2)
+    on_disk = json.loads((directory / MANIFEST).read_text())  # rewritten with the loss
+    assert (on_disk["groups_lost"], on_disk["tasks_done"]) == (1, 2)
+
+
+def test_orphan_shards_and_temp_files_are_removed_at_start_up(tmp_path):
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=2)
+    h1.sched.submit(RUN, 1, specs(4), IterationConfig())
+    accept(h1, a, "t00")
+    committed = h1.it().shard_of["t00"]
+    # killed between writing a shard and committing it: never referenced by SQLite
+    orphan = h1.store.write_shard(RUN, 1, [(group("t01"), [1])])
+    directory = h1.store.iteration_dir(RUN, 1)
+    (directory / "shard-000009.safetensors.tmp").write_bytes(b"half a shard")
+    (directory / "notes.txt").write_text("not ours: left alone")
+
+    h2 = restart(h1, tmp_path)
+    assert sorted(p.name for p in directory.iterdir()) == sorted([committed, "notes.txt"])
+    it = h2.it()
+    assert it.tasks["t00"].status is TaskStatus.DONE and it.tasks["t01"].status is TaskStatus.QUEUED
+    assert it.counters.groups_lost == 0
+    a2 = h2.worker("b", slots=4)
+    accept(h2, a2, *ids(1, 2, 3))
+    assert it.sealed
