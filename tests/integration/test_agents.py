@@ -187,7 +187,7 @@ def test_a_node_killed_mid_episode_loses_nothing_and_its_groups_are_played_again
 
 
 FLAKY = '''
-import itertools, threading, time
+import itertools, os, threading, time
 from elasticrl.env.guess import GuessEnv
 
 _count = itertools.count(1)
@@ -210,13 +210,23 @@ class AlwaysRaises(GuessEnv):
 
 
 class SleepsOnce(GuessEnv):
-    """The 3rd step of this process sleeps far past env.step_timeout_s."""
+    """The 3rd step of the whole run sleeps far past env.step_timeout_s: once, in one process (the
+    first to create the marker file), so the retry on another node meets a healthy env."""
+
+    def __init__(self, marker, **kwargs):
+        super().__init__(**kwargs)
+        self.marker = marker
 
     def step(self, action):
         with _lock:
             n = next(_count)
         if n == 3:
-            time.sleep(5)
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(5)
         return super().step(action)
 '''
 
@@ -259,11 +269,12 @@ def test_a_step_past_its_deadline_fails_its_episode_and_the_retry_succeeds(tmp_p
     out = tmp_path / "run"
     result = run(out, "--config", AGENT_DEMO, "--nodes", "2", "--iterations", "3", "--",
                  f"--env.name={tmp_path}/flaky.py:SleepsOnce", "--env.step_timeout_s=0.5",
+                 "--env.kwargs=" + json.dumps({"marker": str(tmp_path / "slept"), "low": 0, "high": 9}),
                  "--task.prompts_per_iteration=8", "--task.group_size=4", "--run.eval_interval=0")
     assert result.returncode == 0, result.stdout
     records = metrics(out)
     assert [r["iteration"] for r in records] == [1, 2, 3]
-    assert sum(r["env_errors"] for r in records) >= 1  # one stuck step per node process
+    assert sum(r["env_errors"] for r in records) == 1  # the one stuck step of the run
     assert all(r["groups_failed"] == 0 and r["groups"] == 8 for r in records)  # every retry succeeded
     manifests = sorted((out / "coordinator" / "trajectories").glob("*.rollout/*/manifest.json"))
     errors = [e for m in manifests for e in json.loads(m.read_text())["errors"]]
