@@ -70,14 +70,19 @@ def process_rss_mb(pid: int) -> tuple[float, float]:
 class Coordinator:
     """An ``elasticrl coordinator`` subprocess on a free port; stopped by ``cleanup``."""
 
-    def __init__(self, tmp: pathlib.Path, label: str, state_dir: pathlib.Path | None, cleanup: contextlib.ExitStack):
+    def __init__(
+        self, tmp: pathlib.Path, label: str, state_dir: pathlib.Path | None, cleanup: contextlib.ExitStack,
+        extra_args: list[str] | None = None,
+    ):
         from elasticrl.coordinator.launch import CoordinatorStartError, start_coordinator
 
         d = tmp / label
         d.mkdir(parents=True, exist_ok=True)
         self.log_path = d / "coordinator.log"
         try:
-            self.proc, port = start_coordinator(d / "port", self.log_path, cwd=REPO, env=child_env(), state_dir=state_dir)
+            self.proc, port = start_coordinator(
+                d / "port", self.log_path, cwd=REPO, env=child_env(), state_dir=state_dir, extra_args=extra_args
+            )
         except CoordinatorStartError as exc:
             raise BenchError(str(exc)) from None
         cleanup.callback(self.stop)

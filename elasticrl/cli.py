@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (GET /metrics, GET /healthz) over HTTP on this TCP port; 0 picks a free one (default: off). No token check: bind it to an internal interface")
     c.add_argument("--metrics-host", metavar="HOST", help="interface of the metrics endpoint (default: the same as --host)")
     c.add_argument("--metrics-port-file", metavar="FILE", help="write the bound metrics port to this file once serving (useful with --metrics-port 0)")
+    c.add_argument("--keep-iterations", type=int, default=8, metavar="N", help="sealed iterations kept per run; older ones leave memory and SQLite and their shards are deleted, manifests stay (default: %(default)s)")
+    c.add_argument("--keep-barriers", type=int, default=1000, metavar="N", help="decided barriers kept per run; older ones are forgotten (default: %(default)s)")
+    c.add_argument("--keep-request-ids", type=int, default=100_000, metavar="N", help="request ids whose results are kept to answer retried calls exactly once (default: %(default)s)")
+    c.add_argument("--max-runs", type=int, default=1000, metavar="N", help="runs held at once; at the limit a new run replaces the oldest closed run with no live member, or is refused (default: %(default)s)")
     c.add_argument("--max-weight-uploads", type=int, default=4, metavar="N", help="weight uploads received at once (each spools to a temp file); one more is refused with RESOURCE_EXHAUSTED (default: %(default)s)")
 
     sub.add_parser(
@@ -181,6 +185,10 @@ def _coordinator(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             metrics_port_file=args.metrics_port_file,
             max_weight_uploads=args.max_weight_uploads,
+            keep_iterations=args.keep_iterations,
+            keep_barriers=args.keep_barriers,
+            keep_request_ids=args.keep_request_ids,
+            max_runs=args.max_runs,
         )
         asyncio.run(serve(config))
     except (ValueError, OSError) as exc:

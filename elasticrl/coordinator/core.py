@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from elasticrl.coordinator import policy
 from elasticrl.coordinator.metrics import Metrics
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.replies import DEFAULT_KEEP, Replies
+from elasticrl.coordinator.signals import Signals
 from elasticrl.coordinator.state import (
     Barrier,
     BarrierResult,
@@ -53,7 +55,13 @@ class Limits:
     max_kv_bytes_per_run: int = 256 << 20
     """Sum of key and value sizes stored for one run, bytes."""
     max_barriers_per_run: int = 1_000_000
-    """Barriers (open or decided) one run may hold."""
+    """Open barriers one run may hold."""
+    keep_decided_barriers: int = 1000
+    """Decided barriers kept per run (a late retry of an arrival gets the result again); older
+    ones are dropped, oldest decision first. A member that far behind was evicted long ago."""
+    max_runs: int = 1000
+    """Runs one coordinator holds; at the limit, a new run id replaces the oldest closed run
+    with no live member, or is refused (``--max-runs``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +117,20 @@ class CoordinatorCore:
         self.metrics = metrics if metrics is not None else Metrics(clock)
         self.runs: dict[str, Run] = db.load(clock())
         self.replies = Replies(db.connection, keep=keep_request_ids)
-        self._barrier_events: dict[tuple[str, str], asyncio.Event] = {}
+        # Wake-ups of waiting arrivals (by (run, barrier)), KV waits and round joins (by run).
+        self._barrier_signals = Signals()
         # Per open barrier, a superset of the expected members that are live and have not arrived
         # (built on first use, shrunk per arrival): lets an arrival skip the O(N) decision.
         self._not_arrived: dict[tuple[str, str], set[str]] = {}
-        self._kv_events: dict[str, asyncio.Event] = {}
-        self._round_events: dict[str, asyncio.Event] = {}
+        self._kv_signals = Signals()
+        self._round_signals = Signals()
         self._watchers: dict[str, set[Watcher]] = {}
         # Called as fn(run_id, member) right after a member stops being live (left, evicted or
         # replaced): the scheduler requeues that member's tasks.
         self.gone_listeners: list[Callable[[str, Member], None]] = []
+        # Called as fn(run_id) after a run was dropped to make room (``Limits.max_runs``): the
+        # scheduler forgets its iterations. SQLite rows of the run are gone already.
+        self.run_dropped_listeners: list[Callable[[str], None]] = []
         if self.runs:
             live = sum(len(r.live_members()) for r in self.runs.values())
             log.info(
@@ -134,11 +146,39 @@ class CoordinatorCore:
             raise NotFoundError(f"run_id: no run named {run_id!r} on this coordinator (join it first)")
         return run
 
+    def run_or_new(self, run_id: str) -> Run:
+        """The run ``run_id``, made (in memory, counted against ``max_runs``) if it is new; the
+        caller's next write persists it."""
+        return self._run_or_new(run_id)
+
     def _run_or_new(self, run_id: str) -> Run:
         run = self.runs.get(run_id)
         if run is None:
+            if len(self.runs) >= self.limits.max_runs:
+                self._drop_a_finished_run(run_id)
             run = self.runs[run_id] = Run(run_id=run_id)
         return run
+
+    def _drop_a_finished_run(self, for_run: str) -> None:
+        """Make room for ``for_run``: forget the oldest closed run with no live member (its
+        members, keys, barriers and rounds; the scheduler its iterations), or refuse."""
+        finished = next((r for r in self.runs.values() if r.closed and not r.live_members()), None)
+        if finished is None:
+            raise ResourceLimitError(
+                f"run_id: {for_run!r} would be run number {len(self.runs) + 1} on this coordinator "
+                f"(limit {self.limits.max_runs}, --max-runs) and no closed run can make room; close "
+                "finished runs (elasticrl close-run) or raise --max-runs"
+            )
+        with self.db.tx() as db:
+            db.delete_run(finished.run_id)
+        del self.runs[finished.run_id]
+        self.metrics.forget_run(finished.run_id)
+        log.info("dropped closed run %s to make room for run %s (--max-runs %d)", finished.run_id, for_run, self.limits.max_runs)
+        for listener in self.run_dropped_listeners:
+            try:
+                listener(finished.run_id)
+            except Exception:  # noqa: BLE001 - the run is gone from SQLite already; log and go on
+                log.exception("run-dropped listener %r failed for %s", listener, finished.run_id)
 
     def _fence(self, run: Run, member_id: str, incarnation: int, epoch: int = 0) -> Member:
         m = run.members.get(member_id)
@@ -210,7 +250,7 @@ class CoordinatorCore:
             db.put_member(run_id, member)
             reply = {"incarnation": incarnation, "epoch": epoch, "ttl": ttl}
             self.replies.record(request_id, "join", reply)
-        self.replies.remember(request_id, "join", reply)
+        self.replies.remember(request_id)
         if replaced:
             self._mark_gone(run, old, MemberStatus.EVICTED, f"replaced by incarnation {incarnation}")
             self.metrics.evictions.inc(run=run_id, reason="replaced")
@@ -268,7 +308,7 @@ class CoordinatorCore:
             db.put_member(run.run_id, m, status=status, reason=reason)
             db.put_run(run, epoch=run.epoch + 1)
             self.replies.record(*reply, {"epoch": run.epoch + 1})
-        self.replies.remember(*reply, {"epoch": run.epoch + 1})
+        self.replies.remember(reply[0])
         run.epoch += 1
         self._mark_gone(run, m, status, reason)
         self._after_membership_change(run)
@@ -335,8 +375,8 @@ class CoordinatorCore:
         self._fence(run, member_id, incarnation, epoch)
         barrier = run.barriers.get(name)
         if barrier is None:
-            if len(run.barriers) >= self.limits.max_barriers_per_run:
-                raise ResourceLimitError(f"run {run_id!r} holds {len(run.barriers)} barriers (limit reached)")
+            if len(run.open_barriers) >= self.limits.max_barriers_per_run:
+                raise ResourceLimitError(f"run {run_id!r} holds {len(run.open_barriers)} open barriers (limit reached)")
             expected = {mid: m.incarnation for mid, m in run.live_members().items()}
             barrier = Barrier(name, timeout_s, policy_, expected, {}, self.clock())
             with self.db.tx() as db:
@@ -352,11 +392,7 @@ class CoordinatorCore:
             self._decide_after_arrival(run, barrier, member_id)
         if barrier.result is not None:
             return barrier.result
-        event = self._barrier_events.setdefault((run_id, name), asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), wait_s if wait_s > 0 else None)
-        except asyncio.TimeoutError:
-            pass
+        await self._barrier_signals.wait((run_id, name), wait_s if wait_s > 0 else None)
         if not run.is_live(member_id, incarnation):
             self._fence(run, member_id, incarnation)  # evicted while waiting: raises FencedError
         return barrier.result
@@ -388,6 +424,13 @@ class CoordinatorCore:
                 db.put_run(run, epoch=run.epoch + len(late))
             db.put_barrier(run.run_id, barrier, decision.result)
             db.delete_arrivals(run.run_id, barrier.name)
+            dropped = list(itertools.islice(run.decided, max(0, len(run.decided) + 1 - self.limits.keep_decided_barriers)))
+            for name in dropped:
+                db.delete_barrier(run.run_id, name)
+        for name in dropped:  # committed: memory follows
+            run.decided.popleft()
+            del run.barriers[name]
+        run.decided.append(barrier.name)
         for m in late:
             run.epoch += 1
             self._mark_gone(run, m, MemberStatus.EVICTED, late_reason)
@@ -401,9 +444,7 @@ class CoordinatorCore:
             log.warning("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
         else:
             log.debug("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
-        event = self._barrier_events.pop((run.run_id, barrier.name), None)
-        if event is not None:
-            event.set()
+        self._barrier_signals.fire((run.run_id, barrier.name))
         if late:  # an eviction, whatever its cause, re-decides every other open barrier at once
             self._after_membership_change(run)
 
@@ -433,7 +474,7 @@ class CoordinatorCore:
             db.put_run(run)
             db.put_kv(run.run_id, pairs)
             self.replies.record(*reply)
-        self.replies.remember(*reply)
+        self.replies.remember(reply[0])
         for k, v in pairs:
             run.kv[k] = v
         run.kv_bytes += grow
@@ -445,7 +486,7 @@ class CoordinatorCore:
         if request_id:
             with self.db.tx():
                 self.replies.record(request_id, kind, result)
-            self.replies.remember(request_id, kind, result)
+            self.replies.remember(request_id)
 
     def _check_kv_room(self, run: Run, grow: int) -> None:
         if run.kv_bytes + grow > self.limits.max_kv_bytes_per_run:
@@ -474,11 +515,7 @@ class CoordinatorCore:
             if left <= 0:
                 shown = ", ".join(repr(k) for k in missing[:5])
                 raise CoordinatorTimeoutError(f"keys not set within {wait_s:.3f}s: {shown}")
-            event = self._kv_events.setdefault(run_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await self._kv_signals.wait(run_id, left)
 
     def kv_compare_set(
         self, run_id: str, key: bytes, expected: bytes, desired: bytes, *,
@@ -527,7 +564,7 @@ class CoordinatorCore:
         with self.db.tx() as db:
             db.delete_kv(run_id, key)
             self.replies.record(request_id, "kv_delete", {"deleted": True})
-        self.replies.remember(request_id, "kv_delete", {"deleted": True})
+        self.replies.remember(request_id)
         run.kv_bytes -= len(key) + len(run.kv.pop(key))
         return True
 
@@ -536,9 +573,7 @@ class CoordinatorCore:
         return 0 if run is None else len(run.kv)
 
     def _notify_kv(self, run_id: str) -> None:
-        event = self._kv_events.pop(run_id, None)
-        if event is not None:
-            event.set()
+        self._kv_signals.fire(run_id)
 
     # -- rendezvous rounds -------------------------------------------------------------------
 
@@ -590,11 +625,7 @@ class CoordinatorCore:
             left = deadline - loop.time()
             if left <= 0:
                 return RoundResult("waiting", rdzv.round, reason=f"{len(rdzv.waiting)} node(s) waiting")
-            event = self._round_events.setdefault(run_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await self._round_signals.wait(run_id, left)
 
     @staticmethod
     def _round_result(run: Run, member_id: str, incarnation: int, after_round: int) -> RoundResult | None:
@@ -654,9 +685,7 @@ class CoordinatorCore:
         self._notify_round(run.run_id)
 
     def _notify_round(self, run_id: str) -> None:
-        event = self._round_events.pop(run_id, None)
-        if event is not None:
-            event.set()
+        self._round_signals.fire(run_id)
 
     def close_run(self, run_id: str, reason: str) -> None:
         run = self._run(run_id)

@@ -158,6 +158,13 @@ class StateDB:
             ),
         )
 
+    def delete_run(self, run_id: str) -> None:
+        for table in ("runs", "members", "kv", "barriers", "arrivals", "rendezvous"):
+            self._conn.execute(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
+
+    def delete_barrier(self, run_id: str, name: str) -> None:
+        self._conn.execute("DELETE FROM barriers WHERE run_id=? AND name=?", (run_id, name))
+
     def put_arrival(self, run_id: str, name: str, member_id: str, incarnation: int) -> None:
         self._conn.execute(
             "INSERT OR REPLACE INTO arrivals VALUES (?, ?, ?, ?)", (run_id, name, member_id, incarnation)
@@ -204,7 +211,8 @@ class StateDB:
             run = runs[run_id]
             run.kv[bytes(key)] = bytes(value)
             run.kv_bytes += len(key) + len(value)
-        for run_id, name, timeout_s, policy, expected, result in self._conn.execute("SELECT * FROM barriers"):
+        # rowid order is decision order for decided barriers: deciding one replaces its row.
+        for run_id, name, timeout_s, policy, expected, result in self._conn.execute("SELECT * FROM barriers ORDER BY rowid"):
             runs[run_id].barriers[name] = Barrier(
                 name=name,
                 timeout_s=timeout_s,
@@ -220,6 +228,7 @@ class StateDB:
                 barrier.arrived[mid] = inc
         for run in runs.values():
             run.open_barriers = {n: b for n, b in run.barriers.items() if b.result is None}
+            run.decided.extend(n for n, b in run.barriers.items() if b.result is not None)
         for run_id, state in self._conn.execute("SELECT * FROM rendezvous"):
             s = json.loads(state)
             rdzv = runs[run_id].rendezvous

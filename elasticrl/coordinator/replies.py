@@ -13,7 +13,7 @@ to minutes, so old ids are never asked for again); older ones are dropped in bat
 
 from __future__ import annotations
 
-import collections
+import itertools
 import json
 import logging
 import re
@@ -44,7 +44,8 @@ def request_id(field: str, value: str) -> str:
 
 
 class Replies:
-    """Stored results by request id; in memory for lookups, in SQLite for restarts.
+    """Stored results by request id: the ids in memory (a lookup per call costs a dict probe), the
+    results in SQLite only (read back on the rare retry), so each kept id costs about 150 bytes.
 
     ``conn`` is the coordinator's SQLite connection: ``record`` must run inside the transaction
     of the change it answers, ``remember`` after that transaction committed.
@@ -56,30 +57,30 @@ class Replies:
         self._conn = conn
         self.keep = keep
         conn.executescript(_SCHEMA)
-        self._results: collections.OrderedDict[str, tuple[str, object]] = collections.OrderedDict(
-            (rid, (kind, json.loads(result)))
-            for rid, kind, result in conn.execute("SELECT request_id, kind, result FROM replies ORDER BY rowid")
+        # Insertion-ordered: the oldest ids are dropped first.
+        self._ids: dict[str, None] = dict.fromkeys(
+            rid for (rid,) in conn.execute("SELECT request_id FROM replies ORDER BY rowid")
         )
         self.replayed = 0
         """Retries answered from a stored result (a metric for tests and benches)."""
 
     def __len__(self) -> int:
-        return len(self._results)
+        return len(self._ids)
 
     def get(self, rid: str, kind: str):
         """The stored result of ``rid``, or None when it is new (or empty). The same id used for
         another kind of call is a client bug: refused rather than answered with the wrong shape."""
-        if not rid:
+        if not rid or rid not in self._ids:
             return None
-        hit = self._results.get(rid)
-        if hit is None:
+        row = self._conn.execute("SELECT kind, result FROM replies WHERE request_id=?", (rid,)).fetchone()
+        if row is None:  # dropped from SQLite by a trim that memory has not seen: a new call
             return None
-        if hit[0] != kind:
+        if row[0] != kind:
             raise InvalidRequestError(
-                f"request_id: {rid!r} was already used for a {hit[0]} call, not {kind}; make a new id per call"
+                f"request_id: {rid!r} was already used for a {row[0]} call, not {kind}; make a new id per call"
             )
         self.replayed += 1
-        return hit[1]
+        return json.loads(row[1])
 
     def record(self, rid: str, kind: str, result) -> None:
         """Write ``result`` for ``rid``; call inside the change's transaction."""
@@ -89,17 +90,17 @@ class Replies:
                 (rid, kind, json.dumps(result, separators=(",", ":"))),
             )
 
-    def remember(self, rid: str, kind: str, result) -> None:
-        """Keep ``result`` in memory once its transaction committed; drop the oldest ids past ``keep``
-        (in batches of a tenth, so the delete is rare)."""
+    def remember(self, rid: str) -> None:
+        """Note ``rid`` once its transaction committed; drop the oldest ids past ``keep`` (in
+        batches of a tenth, so the delete is rare)."""
         if not rid:
             return
-        self._results[rid] = (kind, result)
-        excess = len(self._results) - self.keep
+        self._ids[rid] = None
+        excess = len(self._ids) - self.keep
         if excess > max(1, self.keep // 10):
-            for _ in range(excess):
-                self._results.popitem(last=False)
-            oldest = next(iter(self._results))
+            for old in list(itertools.islice(self._ids, excess)):
+                del self._ids[old]
+            oldest = next(iter(self._ids))
             try:
                 self._conn.execute(
                     "DELETE FROM replies WHERE rowid < (SELECT rowid FROM replies WHERE request_id=?)", (oldest,)

@@ -33,9 +33,10 @@ from elasticrl.coordinator import validate
 from elasticrl.coordinator.core import CoordinatorCore, Limits
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
 from elasticrl.coordinator.persist import StateDB
+from elasticrl.coordinator.replies import DEFAULT_KEEP as DEFAULT_KEEP_REQUEST_IDS
 from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
 from elasticrl.scheduler import service as scheduler_service
-from elasticrl.scheduler.core import SchedulerCore
+from elasticrl.scheduler.core import DEFAULT_KEEP_ITERATIONS, KEEP_SEALED_GROUPS, SchedulerCore
 from elasticrl.scheduler.store import TrajectoryStore
 from elasticrl.scheduler.weights import DEFAULT_MAX_UPLOADS, DIR_NAME as WEIGHTS_DIR, WeightStore
 
@@ -102,6 +103,16 @@ class CoordinatorConfig:
     max_weight_uploads: int = DEFAULT_MAX_UPLOADS
     """Weight uploads (PublishWeights streams) received at once; one more is refused with
     RESOURCE_EXHAUSTED. Each spools to a temp file under the state dir (or a temp dir), not memory."""
+    keep_iterations: int = DEFAULT_KEEP_ITERATIONS
+    """Sealed iterations kept per run; older ones leave memory and SQLite, their shards are deleted
+    (manifests stay)."""
+    keep_barriers: int = 1000
+    """Decided barriers kept per run; older ones are forgotten."""
+    keep_request_ids: int = DEFAULT_KEEP_REQUEST_IDS
+    """Request ids whose results are kept to answer retries (exactly-once); the oldest go first."""
+    max_runs: int = 1000
+    """Runs held at once; at the limit a new run replaces the oldest closed run with no live
+    member, or is refused."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -121,6 +132,11 @@ class CoordinatorConfig:
                 f"max_kv_value_bytes: {self.max_kv_value_bytes} must be between 1 and the largest gRPC message "
                 f"({self.max_message_bytes} bytes) - 1; raise --max-message-mb too for larger values"
             )
+        for name in ("keep_barriers", "keep_request_ids", "max_runs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.keep_iterations < KEEP_SEALED_GROUPS:
+            raise ValueError(f"keep_iterations: {self.keep_iterations} must be >= {KEEP_SEALED_GROUPS} (trainers fetch the newest two)")
         if self.max_weight_uploads < 1:
             raise ValueError(f"max_weight_uploads: {self.max_weight_uploads} must be >= 1 (uploads received at once)")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -230,7 +246,11 @@ class CoordinatorServer:
         self.db = StateDB(state_path, fsync=config.fsync)
         # Counted into whether or not an endpoint serves it; the scheduler core shares the core's.
         self.metrics = Metrics()
-        self.core = CoordinatorCore(self.db, lease_ttl_s=config.lease_ttl_s, limits=limits, metrics=self.metrics)
+        limits = limits or Limits(keep_decided_barriers=config.keep_barriers, max_runs=config.max_runs)
+        self.core = CoordinatorCore(
+            self.db, lease_ttl_s=config.lease_ttl_s, limits=limits, metrics=self.metrics,
+            keep_request_ids=config.keep_request_ids,
+        )
         token = config.read_token()
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics_endpoint: MetricsEndpoint | None = None
@@ -240,7 +260,9 @@ class CoordinatorServer:
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         add_to_server(CoordinatorServicer(self.core, max_kv_value_bytes=config.max_kv_value_bytes), self.server)
         trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)
-        self.scheduler = SchedulerCore(self.core, TrajectoryStore(trajectories, fsync=config.fsync))
+        self.scheduler = SchedulerCore(
+            self.core, TrajectoryStore(trajectories, fsync=config.fsync), keep_iterations=config.keep_iterations
+        )
         weights_dir = None if config.state_dir is None else os.path.join(config.state_dir, WEIGHTS_DIR)
         self.weights = WeightStore(weights_dir, fsync=config.fsync, max_uploads=config.max_weight_uploads)
         scheduler_service.add_to_server(scheduler_service.SchedulerServicer(

@@ -8,6 +8,7 @@ restarted coordinator has a new clock: leases and deadlines are re-granted on lo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
@@ -127,6 +128,9 @@ class Run:
     # The undecided subset of ``barriers``: ticks and membership changes look only at these, so
     # a long run's thousands of decided barriers cost nothing per tick.
     open_barriers: dict[str, Barrier] = dataclasses.field(default_factory=dict)
+    # Names of the decided barriers still held, oldest decision first: the oldest are dropped past
+    # ``Limits.keep_decided_barriers``.
+    decided: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
     kv: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
     kv_bytes: int = 0
     rendezvous: Rendezvous = dataclasses.field(default_factory=Rendezvous)

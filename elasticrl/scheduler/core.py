@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from elasticrl.coordinator.core import CoordinatorCore
+from elasticrl.coordinator.signals import Signals
 from elasticrl.coordinator.state import Member, MemberStatus
 from elasticrl.errors import (
     CoordinatorUnavailableError,
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 FENCED_STREAM_GRACE_S = 60.0
 # Sealed iterations whose groups stay in memory per run (trainers fetch the newest one or two).
 KEEP_SEALED_GROUPS = 2
+# Sealed iterations kept per run (``--keep-iterations``): older ones are dropped from memory and
+# SQLite and their shards deleted (manifests stay). A trainer fetches the newest one or two.
+DEFAULT_KEEP_ITERATIONS = 8
 # Queued tasks that no dispatch handed out (a worker released them and no other one had a free
 # slot) are offered again after this long, to anyone including the worker that released them.
 REDISPATCH_S = 0.5
@@ -116,7 +120,13 @@ class SchedulerCore:
         store: TrajectoryStore,
         *,
         wall_clock: Callable[[], float] = time.time,
+        keep_iterations: int = DEFAULT_KEEP_ITERATIONS,
     ):
+        if keep_iterations < KEEP_SEALED_GROUPS:
+            raise ValueError(f"keep_iterations must be >= {KEEP_SEALED_GROUPS}, got {keep_iterations}")
+        self.keep_iterations = keep_iterations
+        # Per run, the newest iteration dropped by retention (for a clear error when one is asked for).
+        self._dropped_upto: dict[str, int] = {}
         self.coord = coord
         self.clock = coord.clock
         self.metrics = coord.metrics  # one registry per coordinator process
@@ -124,7 +134,7 @@ class SchedulerCore:
         self.store = store
         self.iterations: dict[str, dict[int, Iteration]] = collections.defaultdict(dict)
         self.conns: dict[str, dict[str, WorkerConn]] = collections.defaultdict(dict)
-        self._seal_events: dict[tuple[str, int], asyncio.Event] = {}
+        self._seal_signals = Signals()
         self._dispatched_at: dict[str, float] = {}
         now = self.clock()
         self._elapsed_at_seal: dict[tuple[str, int], float] = {}
@@ -137,7 +147,10 @@ class SchedulerCore:
             if recovery.restore_groups(it, store, self.db) and it.sealed:
                 store.write_manifest(it.run_id, it.iteration, self.manifest(it))
         self._wall = wall_clock
+        for run_id in list(self.iterations):  # a smaller --keep-iterations applies at once
+            self._trim(run_id)
         coord.gone_listeners.append(self._member_gone)
+        coord.run_dropped_listeners.append(self.drop_run)
         open_its = [it for its in self.iterations.values() for it in its.values() if not it.sealed]
         if open_its:
             log.info(
@@ -151,6 +164,11 @@ class SchedulerCore:
     def iteration(self, run_id: str, iteration: int) -> Iteration:
         it = self.iterations.get(run_id, {}).get(iteration)
         if it is None:
+            if iteration <= self._dropped_upto.get(run_id, -1):
+                raise NotFoundError(
+                    f"iteration: iteration {iteration} of run {run_id!r} was dropped: this coordinator keeps "
+                    f"the newest {self.keep_iterations} sealed iterations (--keep-iterations)"
+                )
             raise NotFoundError(f"iteration: run {run_id!r} has no iteration {iteration} (submit it first)")
         return it
 
@@ -176,8 +194,8 @@ class SchedulerCore:
         done = self.coord.replies.get(request_id, "submit")
         if done is not None:
             return done["created"]
-        run = self.coord.runs.get(run_id)
-        if run is not None and run.closed:
+        run = self.coord.run_or_new(run_id)  # counted against --max-runs like any other run
+        if run.closed:
             raise RunClosedError(f"run {run_id!r} is closed ({run.close_reason}); start a new run id")
         old = self.iterations.get(run_id, {}).get(iteration)
         if old is not None:
@@ -204,9 +222,10 @@ class SchedulerCore:
                 log.warning("run %s iteration %d: static policy but no worker connected; tasks go to a shared queue", run_id, iteration)
             it.queue.extend(ids)
         with self.db.tx() as db:
+            self.coord.db.put_run(run)
             db.put_iteration(it, self._wall())
             self.coord.replies.record(request_id, "submit", {"created": True})
-        self.coord.replies.remember(request_id, "submit", {"created": True})
+        self.coord.replies.remember(request_id)
         self.iterations[run_id][iteration] = it
         log.info(
             "run %s iteration %d: %d task(s) submitted (%s, deadline %s, min_fraction %g, %d worker(s) connected)",
@@ -475,7 +494,7 @@ class SchedulerCore:
                 counters, node = staged[iteration]
                 db.put_counters(it, counters, {worker.member_id: node})
             self.coord.replies.record(batch_id, "results", reply)
-        self.coord.replies.remember(batch_id, "results", reply)
+        self.coord.replies.remember(batch_id)
         # Committed: now memory follows.
         for iteration, group in groups:
             worker.holding.discard((iteration, group.task_id))
@@ -592,32 +611,53 @@ class SchedulerCore:
             manifest["refused_duplicate"] + manifest["refused_fenced"] + manifest["refused_sealed"],
             it.evicted or "none", manifest["elapsed_s"],
         )
-        event = self._seal_events.pop((it.run_id, it.iteration), None)
-        if event is not None:
-            event.set()
+        self._seal_signals.fire((it.run_id, it.iteration))
         self._trim(it.run_id)
         self._dispatch(it.run_id)
 
     def _trim(self, run_id: str) -> None:
-        """Keep the groups of the newest KEEP_SEALED_GROUPS sealed iterations in memory; older ones
-        are read back from their shards if a trainer still asks for them."""
-        sealed = sorted(i for i, it in self.iterations.get(run_id, {}).items() if it.sealed)
-        for iteration in sealed[:-KEEP_SEALED_GROUPS]:
-            it = self.iterations[run_id][iteration]
+        """Keep the groups of the newest KEEP_SEALED_GROUPS sealed iterations in memory (older ones
+        are read back from their shards if a trainer still asks for them), and the newest
+        ``keep_iterations`` sealed iterations at all: older ones leave memory, SQLite and disk."""
+        its = self.iterations.get(run_id, {})
+        sealed = sorted(i for i, it in its.items() if it.sealed)
+        for iteration in sealed[-self.keep_iterations:-KEEP_SEALED_GROUPS]:
+            it = its[iteration]
             it.groups.clear()
             if self.store.forget(run_id, iteration):  # in memory: nothing to read them back from
                 it.shard_of.clear()
+        old = sealed[:-self.keep_iterations]
+        if not old:
+            return
+        with self.db.tx() as db:
+            db.delete_iterations(run_id, old)
+        for iteration in old:
+            del its[iteration]
+            self._elapsed_at_seal.pop((run_id, iteration), None)
+            self.store.drop(run_id, iteration)
+        self._dropped_upto[run_id] = max(self._dropped_upto.get(run_id, -1), old[-1])
+        log.debug("run %s: dropped sealed iteration(s) %s (keeping %d)", run_id, old, self.keep_iterations)
+
+    def drop_run(self, run_id: str) -> None:
+        """Forget a run the coordinator dropped (closed, no live member): its iterations, streams
+        and shards. SQLite first; memory once that committed."""
+        with self.db.tx() as db:
+            db.delete_iterations(run_id)
+        for it in self.iterations.pop(run_id, {}).values():
+            self._elapsed_at_seal.pop((run_id, it.iteration), None)
+            self.store.drop(run_id, it.iteration)
+        for conn in self.conns.pop(run_id, {}).values():
+            conn.send(End(RunClosedError(f"run {run_id!r} was closed and dropped")))
+            conn.closed = True
+        self._dispatched_at.pop(run_id, None)
+        self._dropped_upto.pop(run_id, None)
 
     async def wait_sealed(self, run_id: str, iteration: int, wait_s: float) -> Iteration | None:
         """The iteration once sealed, or as it stands after ``wait_s``; None if it has not even
         been submitted yet (trainer ranks may ask before the driver submits)."""
         it = self.iterations.get(run_id, {}).get(iteration)
         if (it is None or not it.sealed) and wait_s > 0:
-            event = self._seal_events.setdefault((run_id, iteration), asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), wait_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._seal_signals.wait((run_id, iteration), wait_s)
         return self.iterations.get(run_id, {}).get(iteration)
 
     # -- reading results -----------------------------------------------------------------------

@@ -90,6 +90,13 @@ class SchedulerDB:
             [(t.requeues, it.run_id, it.iteration, t.spec.task_id) for t in tasks],
         )
 
+    def delete_iterations(self, run_id: str, iterations: list[int] | None = None) -> None:
+        """Forget these iterations of ``run_id`` (retention), or all of its iterations (None)."""
+        where, args = ("run_id=?", [(run_id,)]) if iterations is None else (
+            "run_id=? AND iteration=?", [(run_id, i) for i in iterations])
+        for table in ("sched_iterations", "sched_tasks", "sched_task_failures"):
+            self._conn.executemany(f"DELETE FROM {table} WHERE {where}", args)
+
     def put_requeue(self, it: Iteration, task: Task) -> None:
         self._conn.execute(
             "UPDATE sched_tasks SET requeues=? WHERE run_id=? AND iteration=? AND task_id=?",

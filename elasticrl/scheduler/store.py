@@ -84,6 +84,17 @@ class TrajectoryStore:
         names = [p.name for p in directory.glob("shard-*.safetensors")] if directory.exists() else []
         return 1 + max((int(n[6:12]) for n in names), default=-1)
 
+    def drop(self, run_id: str, iteration: int) -> None:
+        """Delete an iteration's shards (retention); its manifest stays, for the record."""
+        self._next.pop((run_id, iteration), None)
+        if self.root is None:
+            self.forget(run_id, iteration)
+            return
+        directory = self.iteration_dir(run_id, iteration)
+        if directory.exists():
+            for path in [*directory.glob(SHARD_GLOB), *directory.glob("*.tmp")]:
+                path.unlink(missing_ok=True)
+
     def forget(self, run_id: str, iteration: int) -> bool:
         """In-memory store: drop an iteration's shards (nothing else holds them). Durable: no-op."""
         if self.root is not None:
