@@ -265,6 +265,7 @@ class CoordinatorServer:
         )
         weights_dir = None if config.state_dir is None else os.path.join(config.state_dir, WEIGHTS_DIR)
         self.weights = WeightStore(weights_dir, fsync=config.fsync, max_uploads=config.max_weight_uploads)
+        self.core.run_dropped_listeners.append(self.weights.drop_run)
         scheduler_service.add_to_server(scheduler_service.SchedulerServicer(
             self.scheduler, weights=self.weights, max_message_bytes=config.max_message_bytes), self.server)
         if config.metrics_port is not None:

@@ -39,12 +39,14 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, BinaryIO
 
 from elasticrl.coordinator import validate as v
+from elasticrl.coordinator.signals import Signals
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
 
 if TYPE_CHECKING:
@@ -283,7 +285,7 @@ class WeightStore:
         self.max_uploads = max_uploads
         self._blobs: dict[str, WeightBlob] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._published: dict[str, asyncio.Event] = {}  # set (and replaced) on every new version
+        self._published = Signals()  # by run: fired on every new version
         self._uploads: set[WeightUpload] = set()
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -348,9 +350,7 @@ class WeightStore:
                 blob.path.unlink(missing_ok=True)
                 raise
             self._blobs[blob.run_id] = stored
-            event = self._published.pop(blob.run_id, None)
-            if event is not None:
-                event.set()
+            self._published.fire(blob.run_id)
             # Only now, with the new blob current: a fetch holding the old one has it open.
             await asyncio.to_thread(self._remove_older, stored)
         log.info("weights of run %s: version %d stored (%d bytes, sha256 %s)", stored.run_id, stored.version,
@@ -368,11 +368,15 @@ class WeightStore:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            event = self._published.setdefault(run_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await self._published.wait(run_id, left)
+
+    def drop_run(self, run_id: str) -> None:
+        """Forget a run the coordinator dropped (``--max-runs``): its newest blob and its files."""
+        self._blobs.pop(run_id, None)
+        self._locks.pop(run_id, None)
+        directory = self.run_dir(run_id)
+        if directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
 
     # -- disk ----------------------------------------------------------------------------------
 

@@ -350,3 +350,13 @@ def test_a_stalled_upload_is_dropped_after_the_idle_timeout_freeing_its_slot_and
     assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "chunks: none received for 0.05s" in context.details
     assert store.uploads_in_progress == 0 and spooled(store) == []
+
+
+def test_a_dropped_run_leaves_nothing_behind_and_waiters_leave_no_entry(tmp_path):
+    store = WeightStore(tmp_path)
+    assert publish(store, 1, blob_of(1)) is True
+    assert asyncio.run(asyncio.wait_for(store.wait_newer("run-b", -1, 0.05), 5)) is None
+    assert len(store._published) == 0  # a waiter that timed out leaves no event behind
+    store.drop_run(RUN)
+    assert store.latest(RUN) is None and not store.run_dir(RUN).exists()
+    assert WeightStore(tmp_path).latest(RUN) is None  # nor after a restart
