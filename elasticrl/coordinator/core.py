@@ -29,6 +29,7 @@ from elasticrl.coordinator.state import (
     Member,
     MemberStatus,
     Outcome,
+    Rendezvous,
     RoundConfig,
     RoundResult,
     Run,
@@ -332,12 +333,12 @@ class CoordinatorCore:
             self._decide_barrier(run, barrier)
         rdzv = run.rendezvous
         stale = [mid for mid, inc in rdzv.waiting.items() if not run.is_live(mid, inc)]
+        pending = None
         if stale:
+            pending = _copy_rendezvous(rdzv)
             for mid in stale:
-                del rdzv.waiting[mid]
-            self.db.put_rendezvous(run.run_id, rdzv)
-            self._waiting_changed(run)
-        self._decide_round(run)
+                del pending.waiting[mid]
+        self._decide_round(run, pending)
         self._notify_round(run.run_id)
 
     def tick(self) -> None:
@@ -592,31 +593,37 @@ class CoordinatorCore:
             return RoundResult("closed", reason=f"run {run_id!r} is closed: {run.close_reason}")
         self._fence(run, member_id, incarnation)
         rdzv = run.rendezvous
-        if rdzv.config is None:
-            rdzv.config = config
-        elif (rdzv.config.min_nodes, rdzv.config.max_nodes) != (config.min_nodes, config.max_nodes):
+        cfg = rdzv.config
+        if cfg is not None and (cfg.min_nodes, cfg.max_nodes) != (config.min_nodes, config.max_nodes):
             raise InvalidRequestError(
                 f"config: --nnodes={config.min_nodes}:{config.max_nodes} differs from the run's "
-                f"{rdzv.config.min_nodes}:{rdzv.config.max_nodes}; every node must pass the same --nnodes"
+                f"{cfg.min_nodes}:{cfg.max_nodes}; every node must pass the same --nnodes"
             )
-        if member_id in rdzv.timed_out:
-            return RoundResult("timed_out", reason=rdzv.timed_out.pop(member_id))
+        reason = self._take_timed_out(run, member_id)
+        if reason is not None:
+            return RoundResult("timed_out", reason=reason)
         done = self._round_result(run, member_id, incarnation, after_round)
         if done is not None:
             return done
         if rdzv.waiting.get(member_id) != incarnation:
-            rdzv.waiting[member_id] = incarnation
-            self.db.put_rendezvous(run_id, rdzv)
-            self._waiting_changed(run)
-            log.info("run %s: %s waits for round %d (%d waiting)", run_id, member_id, rdzv.round + 1, len(rdzv.waiting))
-            self._decide_round(run)
+            # The first waiter fixes the config; it is persisted with the waiting set.
+            pending = _copy_rendezvous(rdzv)
+            if pending.config is None:
+                pending.config = config
+            pending.waiting[member_id] = incarnation
+            log.info(
+                "run %s: %s waits for round %d (%d waiting)", run_id, member_id, pending.round + 1, len(pending.waiting),
+            )
+            self._decide_round(run, pending)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
+            rdzv = run.rendezvous  # replaced by every change (see _commit_rendezvous): read it afresh
             if run.closed:
                 return RoundResult("closed", reason=f"run {run_id!r} is closed: {run.close_reason}")
-            if member_id in rdzv.timed_out:
-                return RoundResult("timed_out", reason=rdzv.timed_out.pop(member_id))
+            reason = self._take_timed_out(run, member_id)
+            if reason is not None:
+                return RoundResult("timed_out", reason=reason)
             if not run.is_live(member_id, incarnation):
                 self._fence(run, member_id, incarnation)  # raises FencedError with the reason
             done = self._round_result(run, member_id, incarnation, after_round)
@@ -638,51 +645,61 @@ class CoordinatorCore:
                 return RoundResult("complete", rdzv.round, rank, ids, f"round {rdzv.round}")
         return None
 
-    def _waiting_changed(self, run: Run) -> None:
-        rdzv, now = run.rendezvous, self.clock()
-        n = len(rdzv.waiting)
-        if n == 0:
-            rdzv.waiting_since = rdzv.min_reached_at = None
-        else:
-            if rdzv.waiting_since is None:
-                rdzv.waiting_since = now
-            if rdzv.config is not None and n >= rdzv.config.min_nodes:
-                if rdzv.min_reached_at is None:
-                    rdzv.min_reached_at = now
-            else:
-                rdzv.min_reached_at = None
-        self._emit(run, Event("round", None, run.epoch, f"{n} waiting"))
+    def _take_timed_out(self, run: Run, member_id: str) -> str | None:
+        """Consume ``member_id``'s timeout report, if it has one. The report is persisted, so taking
+        it is a change too: if that write fails the report stays and the call fails."""
+        if member_id not in run.rendezvous.timed_out:
+            return None
+        pending = _copy_rendezvous(run.rendezvous)
+        reason = pending.timed_out.pop(member_id)
+        self._commit_rendezvous(run, pending)
+        return reason
 
-    def _decide_round(self, run: Run) -> None:
-        rdzv = run.rendezvous
-        decision = policy.decide_round(rdzv, run, self.clock())
+    def _decide_round(self, run: Run, pending: Rendezvous | None = None) -> None:
+        """Decide the pending round and make the outcome, with ``pending``'s changes, one change.
+
+        ``pending``: a changed copy of ``run.rendezvous`` (a new waiter, waiters gone), or None to
+        decide on the current state. Whatever is decided is applied to a copy, persisted in one
+        transaction, and only then swapped in; a failed write leaves ``run.rendezvous`` as it was.
+        """
+        now = self.clock()
+        if pending is not None:
+            _track_waiting(pending, now)  # the policy needs min_reached_at of the new waiting set
+        decision = policy.decide_round(run.rendezvous if pending is None else pending, run, now)
         if decision.action == "wait":
+            if pending is not None:
+                self._commit_rendezvous(run, pending)
             return
+        if pending is None:
+            pending = _copy_rendezvous(run.rendezvous)
         if decision.action == "timeout":
-            log.warning("run %s: pending round timed out: %s", run.run_id, decision.reason)
-            for mid in rdzv.waiting:
-                rdzv.timed_out[mid] = decision.reason
-            rdzv.waiting.clear()
-            self.db.put_rendezvous(run.run_id, rdzv)
+            for mid in pending.waiting:
+                pending.timed_out[mid] = decision.reason
+            pending.waiting = {}
         else:
             chosen = {m for m, _ in decision.participants}
-            new_waiting = {m: i for m, i in rdzv.waiting.items() if m not in chosen}
-            participants = list(decision.participants)
-            with self.db.tx() as db:
-                saved = (rdzv.round, rdzv.participants, rdzv.waiting)
-                rdzv.round, rdzv.participants, rdzv.waiting = rdzv.round + 1, participants, new_waiting
-                try:
-                    db.put_rendezvous(run.run_id, rdzv)
-                except Exception:
-                    rdzv.round, rdzv.participants, rdzv.waiting = saved
-                    raise
+            pending.round += 1
+            pending.participants = list(decision.participants)
+            pending.waiting = {m: i for m, i in pending.waiting.items() if m not in chosen}
+        _track_waiting(pending, now)
+        self._commit_rendezvous(run, pending)
+        if decision.action == "timeout":
+            log.warning("run %s: pending round timed out: %s", run.run_id, decision.reason)
+        else:
             log.info(
                 "run %s: round %d complete with %d node(s) [%s]: %s",
-                run.run_id, rdzv.round, len(participants), ", ".join(m for m, _ in participants), decision.reason,
+                run.run_id, pending.round, len(pending.participants),
+                ", ".join(m for m, _ in pending.participants), decision.reason,
             )
         self.metrics.rounds.inc(run=run.run_id, outcome=decision.action)
-        self._waiting_changed(run)
         self._notify_round(run.run_id)
+
+    def _commit_rendezvous(self, run: Run, pending: Rendezvous) -> None:
+        """Persist ``pending`` as the run's rendezvous state, then swap it in and tell watchers."""
+        with self.db.tx() as db:
+            db.put_rendezvous(run.run_id, pending)
+        run.rendezvous = pending
+        self._emit(run, Event("round", None, run.epoch, f"{len(pending.waiting)} waiting"))
 
     def _notify_round(self, run_id: str) -> None:
         self._round_signals.fire(run_id)
@@ -718,3 +735,27 @@ class CoordinatorCore:
 
     def lease_left_s(self, m: Member) -> float:
         return max(0.0, m.lease_deadline - self.clock()) if m.live else 0.0
+
+
+def _copy_rendezvous(rdzv: Rendezvous) -> Rendezvous:
+    """A copy whose containers can be changed without touching ``rdzv`` (the config is never
+    changed in place, so it is shared)."""
+    return dataclasses.replace(
+        rdzv, participants=list(rdzv.participants), waiting=dict(rdzv.waiting), timed_out=dict(rdzv.timed_out),
+    )
+
+
+def _track_waiting(rdzv: Rendezvous, now: float) -> None:
+    """Set when the waiting set became non-empty and when it reached min_nodes (in-memory times,
+    never persisted) after ``rdzv.waiting`` changed."""
+    n = len(rdzv.waiting)
+    if n == 0:
+        rdzv.waiting_since = rdzv.min_reached_at = None
+        return
+    if rdzv.waiting_since is None:
+        rdzv.waiting_since = now
+    if rdzv.config is not None and n >= rdzv.config.min_nodes:
+        if rdzv.min_reached_at is None:
+            rdzv.min_reached_at = now
+    else:
+        rdzv.min_reached_at = None

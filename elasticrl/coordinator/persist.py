@@ -181,6 +181,7 @@ class StateDB:
             "round": rdzv.round,
             "participants": rdzv.participants,
             "waiting": list(rdzv.waiting.items()),
+            "timed_out": rdzv.timed_out,
         }
         self._conn.execute(
             "INSERT OR REPLACE INTO rendezvous(run_id, state) VALUES (?, ?)", (run_id, json.dumps(state))
@@ -236,7 +237,11 @@ class StateDB:
             rdzv.round = s["round"]
             rdzv.participants = [(m, int(i)) for m, i in s["participants"]]
             rdzv.waiting = {m: int(i) for m, i in s["waiting"]}
+            rdzv.timed_out = {m: str(r) for m, r in s.get("timed_out", {}).items()}  # absent in older rows
+            # The waiting set's times restart now, the last call included: the old clock is gone.
             rdzv.waiting_since = now if rdzv.waiting else None
+            if rdzv.config is not None and rdzv.waiting and len(rdzv.waiting) >= rdzv.config.min_nodes:
+                rdzv.min_reached_at = now
         return runs
 
 

@@ -22,7 +22,7 @@ from elasticrl.coordinator import codes, validate as v
 from elasticrl.coordinator.core import CoordinatorCore, Event
 from elasticrl.coordinator.replies import request_id
 from elasticrl.coordinator.state import Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy
-from elasticrl.errors import ElasticRLError, InternalError, InvalidRequestError
+from elasticrl.errors import ElasticRLError, InternalError, InvalidRequestError, ResourceLimitError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,13 @@ DEFAULT_BARRIER_TIMEOUT_S = 600.0
 DEFAULT_LAST_CALL_S = 2.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 WATCH_HEARTBEAT_S = 15.0
+# A Session stream's responses not yet taken by gRPC: past this many, the stream's requests are not
+# read until there is room, so a client that does not read its responses holds the coordinator's
+# memory to a bound (then HTTP/2 flow control stops its writes).
+SESSION_MAX_PENDING = 1024
+# Arrivals one Session stream may have waiting at once; one more is answered RESOURCE_EXHAUSTED
+# (a member waits at one barrier at a time, or a few).
+SESSION_MAX_ARRIVALS = 1024
 
 _MEMBER_STATE = {
     MemberStatus.LIVE: pb.MEMBER_STATE_LIVE,
@@ -299,8 +306,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         its barrier is decided. Every response goes through ``out``, whose one consumer (this
         generator) is the stream's only writer. A failed operation is an ``Error`` message and the
         stream goes on; when the stream ends, arrivals still waiting are cancelled.
+
+        Memory per stream is bounded: ``out`` holds at most SESSION_MAX_PENDING responses, and its
+        producers (the reader, each arrival) wait for room, so a client that does not read stops
+        being read (backpressure); at most SESSION_MAX_ARRIVALS arrivals wait at once. Neither
+        wait can deadlock: the only thing that frees room is the client reading, and a client that
+        reads gets every response, keep-alives included, in the order they were queued.
         """
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue = asyncio.Queue(maxsize=SESSION_MAX_PENDING)
         arrivals: set[asyncio.Task] = set()
         # Initial metadata now, not with the first response: it tells the client the stream is up.
         await context.send_initial_metadata(())
@@ -326,22 +339,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             async for request in requests:
                 op = request.WhichOneof("op")
-                if op == "arrive":
+                if op == "arrive" and len(arrivals) >= SESSION_MAX_ARRIVALS:
+                    error = ResourceLimitError(
+                        f"arrive: {len(arrivals)} arrivals already wait on this session (limit "
+                        f"{SESSION_MAX_ARRIVALS}); read their answers before arriving again"
+                    )
+                    await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
+                elif op == "arrive":
                     task = asyncio.create_task(self._session_arrive(request.id, request.arrive, out))
                     arrivals.add(task)
                     task.add_done_callback(arrivals.discard)
                 elif op == "keep_alive":
-                    out.put_nowait(self._session_keep_alive(request.id, request.keep_alive))
+                    # Waits while ``out`` is full: the next request is read only when there is room.
+                    await out.put(self._session_keep_alive(request.id, request.keep_alive))
                 else:
                     error = InvalidRequestError("op: must be set (keep_alive or arrive)")
-                    out.put_nowait(pb.SessionResponse(id=request.id, error=error_message(error)))
+                    await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
             while arrivals:
                 await asyncio.wait(set(arrivals))
-            out.put_nowait(None)
+            await out.put(None)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the writer, which ends the stream
-            out.put_nowait(exc)
+            await out.put(exc)
 
     def _session_keep_alive(self, request_id: int, request: pb.KeepAliveRequest) -> pb.SessionResponse:
         try:
@@ -362,7 +382,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
             response = pb.SessionResponse(id=request_id, error=error_message(exc))
-        out.put_nowait(response)
+        await out.put(response)  # counts as waiting (SESSION_MAX_ARRIVALS) until there is room
 
     # -- KV ----------------------------------------------------------------------------------
 

@@ -331,10 +331,19 @@ class SchedulerCore:
         """The worker gives tasks back unfinished: they are queued again for anyone. With
         ``failed`` their attempt failed (an environment error): a task that failed
         ``max_task_failures`` times is given up (FAILED) instead, and the iteration may seal
-        without it."""
-        it = self.iteration(conn.run_id, iteration)
+        without it. A release naming an iteration this coordinator does not hold (never
+        submitted, or dropped since) is ignored: those tasks are nobody's to requeue any more."""
         if reason == RELEASE_STOPPING:
             conn.draining = True
+        it = self.iterations.get(conn.run_id, {}).get(iteration)
+        if it is None:
+            for task_id in task_ids:
+                conn.worker.holding.discard((iteration, task_id))
+            log.info(
+                "run %s: worker %s released %d task(s) of iteration %d, which this coordinator does not hold; ignored",
+                conn.run_id, conn.worker.member_id, len(task_ids), iteration,
+            )
+            return
         given_up = []
         with self.db.tx():
             if failed and not it.sealed:
