@@ -55,7 +55,6 @@ is imported, so the handler and its dependencies load only when torchrun asks fo
 from __future__ import annotations
 
 MIN_TORCH = (2, 6)
-BACKEND = "elasticrl"
 
 
 def _torch_version() -> tuple[int, int]:
@@ -95,4 +94,4 @@ def handler_factory():
     return create_handler
 
 
-__all__ = ["BACKEND", "MIN_TORCH", "check_torch", "create_handler", "handler_factory"]
+__all__ = ["MIN_TORCH", "check_torch", "create_handler", "handler_factory"]

@@ -17,6 +17,8 @@ from elasticrl.coordinator import validate
 
 log = logging.getLogger(__name__)
 
+BACKEND = "elasticrl"
+"""The name torchrun's --rdzv-backend gives this plugin."""
 DEFAULT_PORT = 50051
 # Keys torchrun itself adds to every handler's parameters; accepted and ignored.
 TORCHRUN_KEYS = frozenset({"timeout", "rank", "is_host", "local_addr"})

@@ -41,8 +41,7 @@ from elasticrl.errors import (
     FencedError,
     RunClosedError,
 )
-from elasticrl.rendezvous import BACKEND
-from elasticrl.rendezvous.config import RendezvousConfig
+from elasticrl.rendezvous.config import BACKEND, RendezvousConfig
 from elasticrl.rendezvous.store import CoordinatorStore
 from elasticrl.rendezvous.worker import LEASE_TTL_ENV
 

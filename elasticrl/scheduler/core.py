@@ -35,17 +35,15 @@ from elasticrl.errors import (
     NotReadyError,
     RunClosedError,
 )
-from elasticrl.scheduler import policy, recovery
+from elasticrl.scheduler import accounting, policy, recovery
 from elasticrl.scheduler.persist import SchedulerDB
 from elasticrl.scheduler.state import (
     MAX_ERRORS,
     RELEASE_STOPPING,
     GroupRecord,
     Holder,
-    Counters,
     Iteration,
     IterationConfig,
-    NodeStats,
     Policy,
     Split,
     Task,
@@ -495,7 +493,7 @@ class SchedulerCore:
         ack = Ack(sum(len(b) for b in fresh.values()), refused)
         reply = {"accepted": ack.accepted, "refused": [list(r) for r in refused]}
         now = self.clock()
-        staged = {i: self._staged_counters(it, worker.member_id, refused, fresh.get(i, []), now) for i, it in touched.items()}
+        staged = {i: accounting.staged_counters(it, worker.member_id, refused, fresh.get(i, []), now) for i, it in touched.items()}
         with self.db.tx() as db:
             for iteration, it in touched.items():
                 if fresh.get(iteration):
@@ -528,24 +526,6 @@ class SchedulerCore:
             return ack, end
         self._dispatch(conn.run_id)
         return ack, None
-
-    @staticmethod
-    def _staged_counters(
-        it: Iteration, member_id: str, refused: list[tuple[int, str, str]], fresh: list[GroupRecord], now: float,
-    ) -> tuple[Counters, NodeStats]:
-        """``it``'s counters and ``member_id``'s stats as they are once this batch is stored, as
-        copies: they replace the live ones only after the commit."""
-        c = dataclasses.replace(it.counters, errors=list(it.counters.errors))
-        node = dataclasses.replace(it.nodes.get(member_id) or NodeStats())
-        for iteration, _, reason in refused:
-            if iteration == it.iteration and reason != "unknown":
-                setattr(c, f"refused_{reason}", getattr(c, f"refused_{reason}") + 1)
-                node.refused += 1
-        if fresh:
-            node.done += len(fresh)
-            node.tokens += sum(g.num_tokens for g in fresh)
-            node.last_result_at = now
-        return c, node
 
     def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str) -> None:
         """Apply a committed result in memory (the node's stats come from ``_staged_counters``)."""
@@ -672,39 +652,12 @@ class SchedulerCore:
     # -- reading results -----------------------------------------------------------------------
 
     def manifest(self, it: Iteration) -> dict:
-        now = self.clock()
-        running: dict[str, int] = collections.Counter(
-            m for t in it.tasks.values() if t.status is TaskStatus.RUNNING for m in t.holders
-        )
-        nodes = []
-        for member_id in sorted(set(it.nodes) | set(running)):
-            s = it.node(member_id)
-            span = (s.last_result_at or 0) - (s.first_assigned_at or 0)
-            conn = self.conns.get(it.run_id, {}).get(member_id)
-            nodes.append({
-                "node": member_id, "assigned": s.assigned, "done": s.done, "running": running.get(member_id, 0),
-                "refused": s.refused, "tokens": s.tokens, "evicted": s.evicted,
-                "tasks_per_s": s.done / span if s.done and span > 0 else 0.0,
-                "slots": conn.worker.slots if conn else 0,
-            })
         if it.sealed:
             elapsed = self._elapsed_at_seal.get((it.run_id, it.iteration), it.sealed_at - it.submitted_at)
         else:
-            elapsed = now - it.submitted_at
-        c = it.counters
-        return {
-            "run_id": it.run_id, "iteration": it.iteration, "sealed": it.sealed, "seal_reason": it.seal_reason,
-            "policy": it.config.policy.value,
-            "tasks_total": len(it.tasks), "tasks_done": it.count(TaskStatus.DONE),
-            "tasks_queued": it.count(TaskStatus.QUEUED), "tasks_running": it.count(TaskStatus.RUNNING),
-            "requeued": c.requeued, "refused_duplicate": c.refused_duplicate, "refused_fenced": c.refused_fenced,
-            "refused_sealed": c.refused_sealed, "backups_issued": c.backups_issued,
-            "tasks_failed": it.count(TaskStatus.FAILED), "env_errors": c.env_errors, "errors": list(c.errors),
-            "groups_lost": c.groups_lost,
-            "nodes": nodes, "evicted": list(it.evicted), "elapsed_s": elapsed,
-            "tokens": sum(n["tokens"] for n in nodes),
-            "sealed_ago_s": now - it.sealed_at if it.sealed else 0.0,
-        }
+            elapsed = self.clock() - it.submitted_at
+        slots = {m: c.worker.slots for m, c in self.conns.get(it.run_id, {}).items()}
+        return accounting.manifest(it, slots, self.clock(), elapsed)
 
     def shard(self, run_id: str, iteration: int, rank: int, world_size: int, split: Split) -> list[tuple[GroupRecord, Task]]:
         """Rank ``rank``'s part of a sealed iteration's ``split`` groups, balanced by tokens."""
