@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (GET /metrics, GET /healthz) over HTTP on this TCP port; 0 picks a free one (default: off). No token check: bind it to an internal interface")
     c.add_argument("--metrics-host", metavar="HOST", help="interface of the metrics endpoint (default: the same as --host)")
     c.add_argument("--metrics-port-file", metavar="FILE", help="write the bound metrics port to this file once serving (useful with --metrics-port 0)")
+    c.add_argument("--stream-grace", type=float, default=0.5, metavar="SECONDS", help="a member whose Session or Work stream broke (its process died) is evicted unless it reopens one within this long; a silent host is left to --lease-ttl (default: %(default)s)")
     c.add_argument("--keep-iterations", type=int, default=8, metavar="N", help="sealed iterations kept per run; older ones leave memory and SQLite and their shards are deleted, manifests stay (default: %(default)s)")
     c.add_argument("--keep-barriers", type=int, default=1000, metavar="N", help="decided barriers kept per run; older ones are forgotten (default: %(default)s)")
     c.add_argument("--keep-request-ids", type=int, default=100_000, metavar="N", help="request ids whose results are kept to answer retried calls exactly once (default: %(default)s)")
@@ -174,6 +175,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             state_dir=args.state_dir,
             lease_ttl_s=args.lease_ttl,
             tick_s=args.tick,
+            stream_grace_s=args.stream_grace,
             token_file=args.token_file,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,

@@ -13,6 +13,7 @@ middle of a barrier only costs one retried, idempotent arrival.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -30,7 +31,6 @@ from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import (
     CoordinatorTimeoutError,
     CoordinatorUnavailableError,
-    ElasticRLError,
     FencedError,
 )
 
@@ -177,6 +177,51 @@ class CoordinatorClient:
     def keep_alive(self, run_id: str, member_id: str, incarnation: int, *, retry_s: float | None = None) -> int:
         ref = wire.member_ref(member_id, incarnation)
         return self._call("KeepAlive", pb.KeepAliveRequest(run_id=run_id, member=ref), retry_s=retry_s).epoch
+
+    def keep_alive_stream(
+        self, run_id: str, member_id: str, incarnation: int, *,
+        period_s: float, stop: threading.Event, on_epoch: Callable[[int], None],
+    ) -> None:
+        """Renew a lease over one long-lived Session stream, a keep-alive every ``period_s``, until
+        ``stop`` is set (then the stream is closed cleanly). While this process lives the stream
+        stays open, so when it dies the kernel closes the socket and the coordinator evicts the
+        member within its stream grace (``--stream-grace``) instead of a lease TTL later. A broken
+        stream is reopened at once, then with backoff, for as long as ``stop`` is not set. Raises
+        ``FencedError`` once the incarnation is fenced; ``on_epoch`` gets each answer's epoch."""
+        keep_alive = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))
+        budget = wire.ReopenBudget(float("inf"))
+
+        def requests() -> Iterator[pb.SessionRequest]:
+            for n in itertools.count(1):
+                yield pb.SessionRequest(id=n, keep_alive=keep_alive)
+                if stop.wait(period_s):
+                    return  # half-close: the coordinator ends the stream cleanly
+
+        while not stop.is_set():
+            call = self._stub.Session(requests(), metadata=self._metadata)
+            up = False
+            try:
+                for resp in call:
+                    up = True
+                    if not resp.HasField("error"):
+                        on_epoch(resp.keep_alive.epoch)
+                        continue
+                    e = resp.error
+                    exc = codes.error_from_status(e.code, e.error_class, e.message, self.address)
+                    if isinstance(exc, FencedError):
+                        call.cancel()
+                        raise exc
+                    log.warning("member %s: keep-alive failed (%s); retrying", member_id, exc)
+                detail = "the coordinator ended the stream"
+            except grpc.RpcError as err:
+                detail = f"{err.code().name}: {err.details()}"
+            if stop.is_set():
+                return
+            pause = budget.pause_after(up)
+            log.log(logging.DEBUG if up else logging.WARNING,
+                    "member %s: keep-alive stream to %s broke (%s); reopening in %.2fs", member_id, self.address, detail, pause)
+            if stop.wait(pause):
+                return
 
     def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "") -> int:
         ref = wire.member_ref(member_id, incarnation)
@@ -330,7 +375,8 @@ class CoordinatorClient:
 
 
 class Membership:
-    """A joined member that renews its lease from a daemon thread until it leaves or is fenced.
+    """A joined member that renews its lease from a daemon thread, over a Session stream (so its
+    death is noticed within the stream grace, see ``keep_alive_stream``), until it leaves or is fenced.
 
     If the coordinator says this incarnation is fenced (it was evicted while paused, say), the
     thread stops, ``fenced`` holds the error, ``on_fenced`` is called once, and every later call
@@ -360,15 +406,18 @@ class Membership:
         self._thread.start()
 
     def _renew(self) -> None:
-        period = self.lease_ttl_s / 3
-        while not self._stop.wait(period):
-            try:
-                self.epoch = max(self.epoch, self.client.keep_alive(self.run_id, self.member_id, self.incarnation, retry_s=period))
-            except FencedError as exc:
-                self._fence(exc)
-                return
-            except ElasticRLError as exc:
-                log.warning("member %s: keep-alive failed (%s); retrying", self.member_id, exc)
+        try:
+            self.client.keep_alive_stream(
+                self.run_id, self.member_id, self.incarnation,
+                period_s=self.lease_ttl_s / 3, stop=self._stop, on_epoch=self._saw_epoch,
+            )
+        except FencedError as exc:
+            self._fence(exc)
+        except Exception:  # noqa: BLE001 - a bug here must not pass silently: the lease would lapse
+            log.exception("member %s: keep-alive thread failed; the lease will lapse", self.member_id)
+
+    def _saw_epoch(self, epoch: int) -> None:
+        self.epoch = max(self.epoch, epoch)
 
     def _fence(self, exc: FencedError) -> None:
         if self.fenced is None:

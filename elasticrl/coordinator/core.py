@@ -12,6 +12,7 @@ from an injected ``clock`` so tests can drive leases and deadlines without sleep
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -46,6 +47,9 @@ from elasticrl.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STREAM_GRACE_S = 0.5
+"""How long a member whose stream broke has to reopen one before it is evicted (``--stream-grace``)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,9 +111,19 @@ class CoordinatorCore(KeyValueOps):
         limits: Limits | None = None,
         metrics: Metrics | None = None,
         keep_request_ids: int = DEFAULT_KEEP,
+        stream_grace_s: float = DEFAULT_STREAM_GRACE_S,
     ):
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        if stream_grace_s < 0:
+            raise ValueError(f"stream_grace_s must be >= 0, got {stream_grace_s}")
+        self.stream_grace_s = stream_grace_s
+        # Liveness by stream: (run, member, incarnation) -> open streams that carry its keep-alives
+        # or its work, and -> when the last of them broke (it is evicted unless one reopens within
+        # stream_grace_s). A process the kernel killed has its sockets closed at once; a silent
+        # host (power loss, partition) closes nothing and is left to its lease.
+        self._streams: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        self._stream_lost: dict[tuple[str, str, int], float] = {}
         self.db = db
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
@@ -342,9 +356,50 @@ class CoordinatorCore(KeyValueOps):
         self._decide_round(run, pending)
         self._notify_round(run.run_id)
 
+    # -- liveness by stream -------------------------------------------------------------------
+
+    def stream_attached(self, run_id: str, member_id: str, incarnation: int) -> None:
+        """A stream (Session, Work) now carries this live member's traffic."""
+        key = (run_id, member_id, incarnation)
+        self._streams[key] += 1
+        self._stream_lost.pop(key, None)
+
+    def stream_detached(self, run_id: str, member_id: str, incarnation: int, *, abrupt: bool) -> None:
+        """A stream of this member ended. ``abrupt``: it broke (its process died, its connection
+        was reset) instead of being closed by the client; if no other stream of the member is open
+        and none reopens within ``stream_grace_s``, the member is evicted then, not a lease later."""
+        key = (run_id, member_id, incarnation)
+        self._streams[key] -= 1
+        if self._streams[key] > 0:
+            return
+        del self._streams[key]
+        run = self.runs.get(run_id)
+        if abrupt and run is not None and run.is_live(member_id, incarnation):
+            self._stream_lost[key] = self.clock()
+            log.info("run %s: the stream of member %s broke; evicting it unless it reopens one within %.3fs",
+                     run_id, member_id, self.stream_grace_s)
+
+    def _evict_lost_streams(self, now: float) -> None:
+        for key, lost_at in list(self._stream_lost.items()):
+            if now - lost_at < self.stream_grace_s:
+                continue
+            del self._stream_lost[key]
+            run_id, member_id, incarnation = key
+            run = self.runs.get(run_id)
+            if run is None or not run.is_live(member_id, incarnation):
+                continue
+            self._remove(
+                run, run.members[member_id], MemberStatus.EVICTED,
+                f"its stream broke and did not reopen within {self.stream_grace_s:.3f}s (the process died?)",
+            )
+            self.metrics.evictions.inc(run=run_id, reason="stream_lost")
+
     def tick(self) -> None:
-        """Evict expired leases and decide whatever passed its deadline. Called every tick."""
+        """Evict expired leases and broken streams, decide whatever passed its deadline. Called
+        every tick."""
         now = self.clock()
+        if self._stream_lost:
+            self._evict_lost_streams(now)
         for run in list(self.runs.values()):
             for m in policy.expired_members(run, now):
                 self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")

@@ -261,7 +261,7 @@ class Metrics:
         self.leaves = Counter(r, "elasticrl_member_leaves_total", "Members that left on their own.", ("run",))
         self.evictions = Counter(
             r, "elasticrl_member_evictions_total",
-            "Members evicted, by reason: lease_expired, missed_barrier or replaced (a newer incarnation joined).",
+            "Members evicted, by reason: lease_expired, stream_lost (its stream broke and did not reopen in time), missed_barrier or replaced (a newer incarnation joined).",
             ("run", "reason"),
         )
         # -- barriers and rendezvous rounds

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from elasticrl.coordinator import validate
-from elasticrl.coordinator.core import CoordinatorCore, Limits
+from elasticrl.coordinator.core import DEFAULT_STREAM_GRACE_S, CoordinatorCore, Limits
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.replies import DEFAULT_KEEP as DEFAULT_KEEP_REQUEST_IDS
@@ -76,6 +76,9 @@ class CoordinatorConfig:
     lease_ttl_s: float = 5.0
     """Default member lease, seconds: a member silent this long is evicted."""
     tick_s: float = 0.05
+    stream_grace_s: float = DEFAULT_STREAM_GRACE_S
+    """A member whose stream (Session, Work) broke, rather than being closed, is evicted unless it
+    reopens one within this many seconds: a killed process is noticed at once, not a lease later."""
     """How often leases and deadlines are checked, seconds (eviction lags the TTL by at most this)."""
     token_file: str | None = None
     """File whose first line is the shared token every call must carry."""
@@ -123,6 +126,8 @@ class CoordinatorConfig:
             raise ValueError("metrics_port_file: needs metrics_port (pass --metrics-port, 0 for a free one)")
         if self.lease_ttl_s < 0.1:
             raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s is too short; use at least 0.1 s")
+        if self.stream_grace_s < 0:
+            raise ValueError(f"stream_grace_s: {self.stream_grace_s}s must be >= 0 (0: evict at the next tick)")
         if not 0.001 <= self.tick_s <= self.lease_ttl_s:
             raise ValueError(f"tick_s: {self.tick_s}s must be between 1 ms and the lease TTL ({self.lease_ttl_s}s)")
         if not 1 << 20 <= self.max_message_bytes <= 2**31 - 1:
@@ -249,7 +254,7 @@ class CoordinatorServer:
         limits = limits or Limits(keep_decided_barriers=config.keep_barriers, max_runs=config.max_runs)
         self.core = CoordinatorCore(
             self.db, lease_ttl_s=config.lease_ttl_s, limits=limits, metrics=self.metrics,
-            keep_request_ids=config.keep_request_ids,
+            keep_request_ids=config.keep_request_ids, stream_grace_s=config.stream_grace_s,
         )
         token = config.read_token()
         interceptors = [TokenInterceptor(token)] if token else []

@@ -315,9 +315,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """
         out: asyncio.Queue = asyncio.Queue(maxsize=SESSION_MAX_PENDING)
         arrivals: set[asyncio.Task] = set()
+        # The members whose keep-alives this stream carries: when it breaks instead of being closed
+        # by the client, the coordinator evicts them unless they reopen one within the grace.
+        members: set[tuple[str, str, int]] = set()
+        clean = False
         # Initial metadata now, not with the first response: it tells the client the stream is up.
         await context.send_initial_metadata(())
-        reader = asyncio.create_task(self._session_read(requests, out, arrivals), name="session-read")
+        reader = asyncio.create_task(self._session_read(requests, out, arrivals, members), name="session-read")
         try:
             while True:
                 item = await out.get()
@@ -328,14 +332,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     # named InternalError, so the client tells it from a transport failure
                     await abort_with(context, InternalError(f"internal error: {type(item).__name__}: {item}"))
                 if item is None:
+                    clean = True
                     return  # the client half-closed and every arrival was answered
                 yield item
         finally:
             reader.cancel()
             for task in list(arrivals):
                 task.cancel()
+            for key in members:
+                self.core.stream_detached(*key, abrupt=not clean)
 
-    async def _session_read(self, requests, out: asyncio.Queue, arrivals: set[asyncio.Task]) -> None:
+    async def _session_read(
+        self, requests, out: asyncio.Queue, arrivals: set[asyncio.Task], members: set[tuple[str, str, int]],
+    ) -> None:
         try:
             async for request in requests:
                 op = request.WhichOneof("op")
@@ -351,7 +360,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     task.add_done_callback(arrivals.discard)
                 elif op == "keep_alive":
                     # Waits while ``out`` is full: the next request is read only when there is room.
-                    await out.put(self._session_keep_alive(request.id, request.keep_alive))
+                    response = self._session_keep_alive(request.id, request.keep_alive)
+                    if not response.HasField("error"):
+                        ka = request.keep_alive
+                        key = (ka.run_id, ka.member.member_id, ka.member.incarnation)
+                        if key not in members:
+                            members.add(key)
+                            self.core.stream_attached(*key)
+                    await out.put(response)
                 else:
                     error = InvalidRequestError("op: must be set (keep_alive or arrive)")
                     await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))

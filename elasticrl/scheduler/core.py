@@ -239,6 +239,7 @@ class SchedulerCore:
         """Open a worker's stream. The member must be live with exactly this incarnation."""
         self.coord.check_member(run_id, member_id, incarnation)
         conn = WorkerConn(run_id, Worker(member_id, incarnation, slots, weight, self.clock()))
+        self.coord.stream_attached(run_id, member_id, incarnation)  # a broken stream evicts it soon
         old = self.conns[run_id].get(member_id)
         if old is not None:
             # The same process reconnected (its old stream is not closed yet on our side): it still
@@ -254,8 +255,10 @@ class SchedulerCore:
         self._dispatch(run_id)
         return conn
 
-    def disconnect(self, conn: WorkerConn, reason: str) -> None:
+    def disconnect(self, conn: WorkerConn, reason: str, *, abrupt: bool = True) -> None:
+        """The stream ended: ``abrupt`` when it broke rather than being closed by the worker."""
         conn.closed = True
+        self.coord.stream_detached(conn.run_id, conn.worker.member_id, conn.worker.incarnation, abrupt=abrupt)
         if self.conns.get(conn.run_id, {}).get(conn.worker.member_id) is not conn:
             return  # replaced by a newer stream of the same worker
         del self.conns[conn.run_id][conn.worker.member_id]

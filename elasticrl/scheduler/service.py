@@ -223,11 +223,13 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         await context.send_initial_metadata(())
         reader = asyncio.create_task(self._read(conn, requests), name=f"work-read-{conn.worker.member_id}")
         reason = "stream ended"
+        clean = False
         try:
             while True:
                 item = await conn.outbox.get()
                 if isinstance(item, End):
                     if item.error is None:
+                        clean = True
                         return
                     reason = str(item.error)
                     if isinstance(item.error, grpc.aio.AbortError):
@@ -236,7 +238,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 yield _out_message(item)
         finally:
             reader.cancel()
-            self.core.disconnect(conn, reason)
+            self.core.disconnect(conn, reason, abrupt=not clean)
 
     def _connect(self, request: spb.WorkRequest) -> WorkerConn:
         if request.WhichOneof("kind") != "hello":

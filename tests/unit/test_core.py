@@ -271,3 +271,35 @@ def test_state_survives_reload(tmp_path, clock):
     # incarnations keep increasing across restarts
     c, _ = again.join("r", "c")
     assert c.incarnation > b.incarnation
+
+
+def test_a_broken_stream_evicts_after_the_grace_unless_it_reopens(clock):
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=30.0, clock=clock, stream_grace_s=0.5)
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    c, _ = core.join("r", "c")
+    for m in (a, b, c):
+        core.stream_attached("r", m.member_id, m.incarnation)
+    core.stream_detached("r", "a", a.incarnation, abrupt=True)  # a's process died
+    core.stream_detached("r", "b", b.incarnation, abrupt=True)  # b's connection blipped...
+    clock.now += 0.3
+    core.tick()
+    core.stream_attached("r", "b", b.incarnation)  # ...and b reopened within the grace
+    core.stream_detached("r", "c", c.incarnation, abrupt=False)  # c closed its stream itself
+    clock.now += 0.3
+    core.tick()
+    run = core.runs["r"]
+    assert not run.is_live("a", a.incarnation) and "stream broke" in run.members["a"].reason
+    assert run.is_live("b", b.incarnation) and run.is_live("c", c.incarnation)  # c: its lease decides
+    assert core.metrics.evictions.value(run="r", reason="stream_lost") == 1
+
+
+def test_a_member_with_another_open_stream_is_not_evicted(clock):
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=30.0, clock=clock, stream_grace_s=0.5)
+    a, _ = core.join("r", "a")
+    core.stream_attached("r", "a", a.incarnation)  # its Session stream
+    core.stream_attached("r", "a", a.incarnation)  # and its Work stream
+    core.stream_detached("r", "a", a.incarnation, abrupt=True)
+    clock.now += 1.0
+    core.tick()
+    assert core.runs["r"].is_live("a", a.incarnation)

@@ -1,0 +1,135 @@
+"""Dead processes are noticed at once (issue 14, item 3): a member renews its lease over a Session
+stream, so when its process is SIGKILLed the kernel closes the socket and the coordinator evicts
+it after the stream grace, not a lease TTL later. A paused process (SIGSTOP: its sockets stay
+open, like a silent host) is left to its lease, and a connection reset that reconnects within
+the grace evicts nobody."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from elasticrl.coordinator.client import CoordinatorClient, Membership
+
+from tests.conftest import wait_until
+from tests.integration.test_coordinator import members  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.integration
+
+
+def member_state(client: CoordinatorClient, run: str, member: str) -> dict:
+    status = client.status(run, include_departed=True)
+    (r,) = status["runs"]
+    everyone = r["snapshot"]["members"] + r["departed"]
+    return next(m for m in everyone if m["member_id"] == member)
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_member_is_evicted_by_its_broken_stream_long_before_its_lease(coordinator_factory, members):  # noqa: F811
+    coordinator = coordinator_factory(lease_ttl_s=30.0)
+    with CoordinatorClient(coordinator.address, call_timeout_s=5) as client:
+        m = members(coordinator.address, "live", "victim")
+        m.wait_event("joined", 20)
+        wait_until(lambda: member_state(client, "live", "victim")["state"] == "MEMBER_STATE_LIVE", 10)
+        time.sleep(0.3)  # its first keep-alive has attached the stream
+        m.kill(signal.SIGKILL)
+        killed = time.monotonic()
+        # A 30 s lease cannot explain an eviction within 10 s: the broken stream did it.
+        wait_until(lambda: member_state(client, "live", "victim")["state"] == "MEMBER_STATE_EVICTED", 10,
+                   message="the SIGKILLed member's eviction")
+        assert time.monotonic() - killed < 10
+        assert "stream broke" in member_state(client, "live", "victim")["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_a_paused_member_keeps_its_stream_and_is_left_to_its_lease(coordinator_factory, members):  # noqa: F811
+    coordinator = coordinator_factory(lease_ttl_s=2.0)
+    with CoordinatorClient(coordinator.address, call_timeout_s=5) as client:
+        m = members(coordinator.address, "pause", "sleeper")
+        m.wait_event("joined", 20)
+        time.sleep(0.3)
+        m.kill(signal.SIGSTOP)
+        try:
+            time.sleep(1.0)  # past the 0.5 s grace, within the 2 s lease: its socket is still open
+            assert member_state(client, "pause", "sleeper")["state"] == "MEMBER_STATE_LIVE"
+            wait_until(lambda: member_state(client, "pause", "sleeper")["state"] == "MEMBER_STATE_EVICTED", 10)
+            assert "lease expired" in member_state(client, "pause", "sleeper")["reason"]
+        finally:
+            m.kill(signal.SIGCONT)
+            m.kill(signal.SIGKILL)
+
+
+class Proxy:
+    """A TCP proxy that can reset every connection through it at once (a network blip)."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
+
+    def reset_all(self) -> int:
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
+                s.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads blocked in recv on it
+            s.close()
+        return len(conns)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.reset_all()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_reset_that_reconnects_within_the_grace_evicts_nobody(coordinator_factory):
+    coordinator = coordinator_factory(lease_ttl_s=30.0)
+    proxy = Proxy(("127.0.0.1", coordinator.port))
+    try:
+        with CoordinatorClient(f"127.0.0.1:{proxy.port}", call_timeout_s=5) as via_proxy, \
+                CoordinatorClient(coordinator.address, call_timeout_s=5) as direct:
+            m = Membership(via_proxy, "blip", "steady", lease_ttl_s=3.0)  # a keep-alive per second
+            try:
+                time.sleep(0.5)
+                for _ in range(3):
+                    assert proxy.reset_all() > 0
+                    time.sleep(1.5)  # past the grace: an unreopened stream would have been evicted
+                    state = member_state(direct, "blip", "steady")
+                    assert state["state"] == "MEMBER_STATE_LIVE", state
+                assert int(state["incarnation"]) == m.incarnation and m.fenced is None
+            finally:
+                m.leave("done")
+        log = coordinator.log()
+        assert "stream broke" not in log
+    finally:
+        proxy.close()
