@@ -72,7 +72,7 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
     p.add_argument(
         "--kill-at", type=int, default=0, metavar="ITER",
         help="SIGKILL the last node (agent and worker) once iteration ITER is reported, to watch the "
-        "others re-form and resume from the newest checkpoint; 0 never (default: %(default)s)",
+        "others re-form and resume from the newest snapshot (or checkpoint); 0 never (default: %(default)s)",
     )
     p.add_argument(
         "--kill-phase", choices=["boundary", "rollout", "update"], default="boundary",
@@ -342,7 +342,7 @@ class Demo:
             if when is not None:
                 self.say(
                     f"  -- killing {victim.name} (SIGKILL, agent and worker) {when}; "
-                    "the others should re-form without it and resume from the newest checkpoint"
+                    "the others should re-form without it and resume from the newest snapshot (or checkpoint)"
                 )
                 victim.kill()
                 victim = None

@@ -310,7 +310,15 @@ class CheckpointConfig:
     every_node: bool = False
     """Let local rank 0 of every node save (no shared filesystem), not only global rank 0."""
     resume: bool = True
-    """Continue from the newest checkpoint any rank holds, broadcast from that rank."""
+    """Continue from the newest checkpoint or snapshot any rank holds, broadcast from that rank."""
+    snapshots: bool = True
+    """After every iteration, each node writes the training state to host memory (off the critical
+    path): a world re-formed after a node failure resumes at the next iteration, losing no
+    finished one. Disk checkpoints (every_iterations) are still what survives losing every node."""
+    snapshot_dir: str = ""
+    """Where a node keeps its snapshots; empty means /dev/shm/elasticrl/<run_id>-<hash of run_dir>/<node>
+    (host memory, kept when torchrun restarts the workers, freed when the run finishes), or
+    <run_dir>/snapshots/<node> where there is no /dev/shm."""
     export_hf: str = ""
     """model.kind = hf: after the last iteration write the policy as an HF model directory here
     (relative paths are under run_dir); empty skips the export."""

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import socket
 import threading
 import time
@@ -44,7 +45,7 @@ from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
-from elasticrl.train import checkpoint as ckpt
+from elasticrl.train import checkpoint as ckpt, snapshot
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
 from elasticrl.train.logcontext import NODE_NAME_ENV, WorkerLogContext, node_name
@@ -108,6 +109,8 @@ class NodeTrainer:
         self.logctx = logctx or WorkerLogContext(node_name(), world.rank)
         self.run_dir = config.run.run_dir
         self.ckpt_dir = config.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+        snap_dir = config.checkpoint.snapshot_dir or snapshot.default_dir(self.run_dir, config.run.run_id, self.logctx.node)
+        self.snapshots = snapshot.Snapshots(snap_dir) if config.checkpoint.snapshots else None
         self.task = toy_task(config)
         self.max_new_tokens = max_new_tokens(config, self.task)
         try:
@@ -139,6 +142,8 @@ class NodeTrainer:
         self.device = torch.device("cpu")
         self._presubmitted: tuple[int, BackgroundCall] | None = None
         self._publishing: BackgroundCall | None = None
+        self._finished = False
+        self._unrecorded: dict | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -200,7 +205,12 @@ class NodeTrainer:
         if world.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             write_json(cfg, os.path.join(self.run_dir, "config.json"))
-            self.sinks = [ProgressTable(cfg.run.iterations), JsonLines(self.run_dir), *open_sinks(cfg)]
+            records = JsonLines(self.run_dir)
+            self.sinks = [ProgressTable(cfg.run.iterations), records, *open_sinks(cfg)]
+            if self._unrecorded is not None and records.last_iteration() < self._unrecorded["iteration"]:
+                log.info("iteration %d finished before the failure but was not on record; recording it now",
+                         self._unrecorded["iteration"])
+                self._report(self._unrecorded)
             n = sum(p.numel() for p in self.strategy.unwrap().parameters())
             log.info(
                 "policy %s: %d parameters; strategy %s; engine %s; task %s; run dir %s",
@@ -227,13 +237,17 @@ class NodeTrainer:
         self.reference = ref.to(self.device).eval().requires_grad_(False)
 
     def _resume(self) -> int:
-        """Load the newest checkpoint any rank holds (broadcast from the lowest such rank); returns its iteration."""
-        mine = ckpt.latest_iteration(self.ckpt_dir)
+        """Load the newest checkpoint or snapshot any rank holds (broadcast from the lowest such
+        rank: a rank that holds none gets the state over torch.distributed); returns its iteration."""
+        held = [(ckpt.latest_iteration(self.ckpt_dir), self.ckpt_dir)]
+        if self.snapshots is not None:
+            held.append((self.snapshots.latest(), self.snapshots.directory))
+        mine, where = max(held)
         newest = all_reduce_int(mine, dist.ReduceOp.MAX)
         if newest == 0:
             return 0
         src = all_reduce_int(self.world.rank if mine == newest else self.world.world_size, dist.ReduceOp.MIN)
-        loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(self.ckpt_dir, newest)) if self.world.rank == src else None
+        loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(where, newest)) if self.world.rank == src else None
         # The metadata first, so every rank refuses an incompatible checkpoint together.
         meta = broadcast_json(loaded.meta if loaded else None, src)
         saved, wanted = meta.get("config", {}).get("model"), to_dict(self.cfg)["model"]
@@ -251,7 +265,9 @@ class NodeTrainer:
             has_ref = broadcast_json(loaded.reference is not None if loaded else None, src)
             if has_ref:
                 self._set_reference(broadcast_tensors(loaded.reference if loaded else None, src))
-        log.info("resumed from iteration %d (checkpoint of rank %d)", newest, src)
+        self._unrecorded = meta.get("metrics")  # a snapshot's record, added below if it is missing
+        kind = "snapshot" if meta.get("snapshot") else "checkpoint"
+        log.info("resumed from iteration %d (%s of rank %d, node %s)", newest, kind, src, meta.get("node", "?"))
         return newest
 
     # -- weights -------------------------------------------------------------------------------
@@ -469,6 +485,8 @@ class NodeTrainer:
             if not self._collect_presubmitted(iteration):
                 self._submit(iteration, self.version)
         lap("t_submit")
+        if self.snapshots is not None:
+            self.snapshots.write_pending()  # the last iteration's, while this thread waits for the seal
         manifest = self._rollout(iteration)
         self._check_failures(iteration, manifest)
         lap("t_rollout")
@@ -501,6 +519,9 @@ class NodeTrainer:
             with self.engine_lock if self.shares_module else contextlib.nullcontext():
                 sums = dict(zip(sums, all_reduce_sum(list(self._update(batch, tokens, samples).values()))))
             lap("t_update")
+            if self.snapshots is not None:
+                self._snapshot(iteration, reward_sum / samples)
+                lap("t_snapshot")
             t["t_publish"] = self._push(iteration)
             lap("t_push")
         updates = cfg.trainer.updates_per_iteration
@@ -537,11 +558,34 @@ class NodeTrainer:
     def _save(self, iteration: int, metrics: dict) -> None:
         cfg, world = self.cfg, self.world
         writer = world.rank == 0 or (cfg.checkpoint.every_node and world.local_rank == 0)
-        # Collective under sharded strategies: every rank gathers, the writers keep the result.
-        model_state = self.strategy.full_model_state_dict(all_ranks=cfg.checkpoint.every_node)
-        optimizer_state = self.strategy.full_optimizer_state_dict(all_ranks=cfg.checkpoint.every_node)
+        model_state, optimizer_state, meta, reference = self._state(
+            iteration, metrics["reward_mean"], all_ranks=cfg.checkpoint.every_node
+        )
         if not writer:
             return
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.ckpt_dir, iteration, model_state, optimizer_state, meta, keep_last=cfg.checkpoint.keep_last,
+            reference=reference,
+        )
+        log.info("saved checkpoint %s", self.last_checkpoint)
+
+    def _snapshot(self, iteration: int, reward_mean: float) -> None:
+        """Right after the update, before the new policy is pushed (so no engine starts the next
+        iteration before the state is taken): every rank gathers the state (a collective under
+        sharded strategies); local rank 0 of each node keeps it, to write to host memory once the
+        iteration is on record, in the background during the next rollout, or when the process
+        ends, whatever the reason."""
+        model_state, optimizer_state, meta, reference = self._state(iteration, reward_mean, all_ranks=True)
+        if self.world.local_rank == 0:
+            self.snapshots.save(iteration, model_state, optimizer_state, meta, reference)
+
+    def _state(self, iteration: int, reward_mean: float, *, all_ranks: bool) -> tuple:
+        """(model state, optimizer state, meta, reference) as copies, for a checkpoint or a
+        snapshot; ``all_ranks``: every rank gets the full state, else rank 0."""
+        cfg, world = self.cfg, self.world
+        # Collective under sharded strategies: every rank gathers, the writers keep the result.
+        model_state = self.strategy.full_model_state_dict(all_ranks=all_ranks)
+        optimizer_state = self.strategy.full_optimizer_state_dict(all_ranks=all_ranks)
         meta = {
             "world_size": world.world_size,
             "generation": self.generation,
@@ -551,18 +595,14 @@ class NodeTrainer:
             "data_position": {**self.rows.position(iteration),
                               "rng": "iteration_seed(run.seed, iteration, rank), reseeded every iteration "
                                      "(the same draws when resumed in a world of the same size)"},
-            "reward_mean": metrics["reward_mean"],
+            "reward_mean": reward_mean,
             "config": {"model": to_dict(cfg)["model"], "task": to_dict(cfg)["task"]},
             "strategy": cfg.trainer.strategy,
             "node": self.logctx.node,
             "saved_at_unix_s": time.time(),
         }
         reference = None if self.reference is None else {k: v.detach().cpu() for k, v in self.reference.state_dict().items()}
-        self.last_checkpoint = ckpt.save_checkpoint(
-            self.ckpt_dir, iteration, model_state, optimizer_state, meta, keep_last=cfg.checkpoint.keep_last,
-            reference=reference,
-        )
-        log.info("saved checkpoint %s", self.last_checkpoint)
+        return model_state, optimizer_state, meta, reference
 
     def _export(self) -> None:
         """Rank 0: the final policy as an HF model directory (checkpoint.export_hf)."""
@@ -598,9 +638,12 @@ class NodeTrainer:
                 if saving:
                     metrics["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
                 metrics["t_checkpoint"] = saving_s  # the save after the previous iteration
-                # Reported before the save: a resumed world starts after the newest checkpoint, so
-                # every iteration a checkpoint covers must already be on record (a kill between the
-                # two only repeats the iteration, and its line).
+                # The snapshot before the record: it holds the record, and a world resumed from it
+                # adds the record if nobody wrote it (see _setup), so every finished iteration is on
+                # record once. A checkpoint comes after the record: a kill between the two only
+                # repeats the iteration, and its line.
+                if self.snapshots is not None:
+                    self.snapshots.record(metrics)
                 self._report(metrics)
                 saving_s = 0.0
                 if saving:
@@ -618,8 +661,13 @@ class NodeTrainer:
 
     def _finish(self) -> None:
         """Every rank is done: close the scheduler's run, so rollout-only workers exit (not after
-        a rollout-only phase: an update phase will read its iterations)."""
+        a rollout-only phase: an update phase will read its iterations), and free the host memory
+        of this run's snapshots (the disk checkpoints stay)."""
         dist.barrier()
+        self._finished = True
+        if self.snapshots is not None and self.world.local_rank == 0 and not self.cfg.checkpoint.snapshot_dir:
+            self.snapshots.wait()
+            shutil.rmtree(snapshot.run_root(self.run_dir, self.cfg.run.run_id), ignore_errors=True)
         if self.world.rank == 0 and self.cfg.run.rl_phase != "rollout":
             try:
                 self.client.close_run(rollout_run(self.cfg.run.run_id), "training finished")
@@ -627,6 +675,11 @@ class NodeTrainer:
                 pass
 
     def close(self) -> None:
+        if self.snapshots is not None and self.world.local_rank == 0 and not self._finished:
+            try:  # the last finished iteration's snapshot, even when this iteration failed
+                self.snapshots.flush()
+            except Exception as exc:  # noqa: BLE001 - the disk checkpoint is still there
+                log.warning("could not write the last snapshot: %s", exc)
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None

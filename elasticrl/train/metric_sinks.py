@@ -75,6 +75,20 @@ class JsonLines:
         with open(self.path, "a") as f:
             f.write(json.dumps({**metrics, "time_unix_s": time.time()}) + "\n")
 
+    def last_iteration(self) -> int:
+        """The newest iteration on record (0 for none): a resumed run adds what its snapshot
+        finished but nobody recorded."""
+        if not os.path.exists(self.path):
+            return 0
+        with open(self.path, "rb") as f:
+            lines = f.read().splitlines()
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["iteration"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line (killed mid-write)
+        return 0
+
     def close(self) -> None:
         pass
 
