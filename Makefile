@@ -43,6 +43,7 @@ bench: venv
 	$(PY) bench/scheduler.py
 	$(PY) bench/episodes.py
 	$(PY) bench/soak.py
+	$(PY) bench/recovery.py
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node=2 bench/collectives.py --op all
 
 clean:
