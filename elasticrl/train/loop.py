@@ -27,7 +27,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import threading
 import time
 
@@ -46,9 +45,10 @@ from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt, snapshot
+from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
-from elasticrl.train.logcontext import NODE_NAME_ENV, WorkerLogContext, node_name
+from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, iteration_tasks
@@ -66,40 +66,6 @@ class WorldChangedError(ElasticRLError, dist.DistError):
     A ``DistError`` like the collective failures a dead peer causes, so ``restart_grace`` treats
     it as one.
     """
-
-
-def member_id(rank: int) -> str:
-    return f"rank-{rank}"
-
-
-def engine_member_id(local_rank: int) -> str:
-    """The member id of this worker's engine in ``<run>.rollout``: stable across worker restarts
-    under the same torchrun agent (a restarted engine fences its dead predecessor at once), and
-    unique per agent even where hosts share a name: $ELASTICRL_NODE_NAME when set, else the
-    hostname plus the agent's pid (the rendezvous plugin's node id)."""
-    base = os.environ.get(NODE_NAME_ENV) or f"{socket.gethostname()}-{os.getppid()}"
-    return f"{base}-{local_rank}"
-
-
-def weights_version(generation: int, policy_version: int) -> int:
-    """The coordinator's version of a published policy: increasing across restarts of the worker
-    group (a resumed group re-publishes older iterations under a newer generation)."""
-    return (generation << 32) | policy_version
-
-
-def iteration_seed(seed: int, iteration: int, rank: int) -> int:
-    """The seed of torch's and Python's global RNGs on ``rank`` for ``iteration``'s update
-    (dropout, anything else that draws from them). Reseeding at every iteration makes the RNG a
-    function of (run.seed, iteration, rank), so a checkpoint needs no RNG state: resumed in a world
-    of the same size, the next iteration draws what it would have drawn (in another size the ranks
-    differ, and so do their streams). The iteration number is the data position and the RNG
-    position at once."""
-    return (seed * 1_000_003 + iteration * 7_919 + rank) % (2**63)
-
-
-def rollout_run(run_id: str) -> str:
-    """The scheduler's run: every node's engine and every rollout-only worker is a member of it."""
-    return f"{run_id}.rollout"
 
 
 class NodeTrainer:

@@ -27,7 +27,7 @@ from elasticrl.rl.rewards import reward_function
 from elasticrl.rl.workload import toy_task
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import unpack_state_dict
-from elasticrl.train.loop import rollout_run
+from elasticrl.train.names import rollout_run
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, GateClosed, PolicyVersionTimeout
 
