@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import time
@@ -122,3 +123,15 @@ def _elasticrl_environment():
     for key in [k for k in os.environ if k.startswith("ELASTICRL_") and k not in saved]:
         del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _free_snapshots():
+    """Runs that a test stops before they finish keep their snapshots in host memory (a resumed
+    run would need them); free the ones this session made."""
+    root = pathlib.Path("/dev/shm/elasticrl")
+    before = set(root.iterdir()) if root.is_dir() else set()
+    yield
+    if root.is_dir():
+        for path in set(root.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)

@@ -317,8 +317,9 @@ class CheckpointConfig:
     finished one. Disk checkpoints (every_iterations) are still what survives losing every node."""
     snapshot_dir: str = ""
     """Where a node keeps its snapshots; empty means /dev/shm/elasticrl/<run_id>-<hash of run_dir>/<node>
-    (host memory, kept when torchrun restarts the workers, freed when the run finishes), or
-    <run_dir>/snapshots/<node> where there is no /dev/shm."""
+    (host memory, kept when torchrun restarts the workers, freed when the run finishes; a run that
+    stops before it finishes keeps them, to be resumed: delete the directory to free the memory),
+    or <run_dir>/snapshots/<node> where there is no /dev/shm."""
     export_hf: str = ""
     """model.kind = hf: after the last iteration write the policy as an HF model directory here
     (relative paths are under run_dir); empty skips the export."""
