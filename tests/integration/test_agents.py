@@ -182,8 +182,10 @@ def test_a_node_killed_mid_episode_loses_nothing_and_its_groups_are_played_again
     assert manifest["tasks_done"] == manifest["tasks_total"] == 24 and manifest["tasks_failed"] == 0, manifest
     (victim,) = [n for n in manifest["nodes"] if n["node"] == "node-2-0"]
     assert victim["done"] > 0  # its finished groups were kept
-    # The groups it was playing went back to the queue once each, and the survivors played them.
-    assert manifest["requeued"] == victim["assigned"] - victim["done"] > 0, manifest
+    # The groups it was playing went back to the queue, and the survivors played them. Its agent is
+    # evicted within the stream grace, so the survivors' agents may restart their workers while
+    # the iteration still rolls out: what those held is requeued too, hence at least.
+    assert manifest["requeued"] >= victim["assigned"] - victim["done"] > 0, manifest
 
 
 FLAKY = '''

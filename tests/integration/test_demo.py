@@ -196,9 +196,10 @@ def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path
     if phase == "rollout":
         assert done["node-2-0"] > 0, f"the dead node's finished groups were not kept: {manifest}"
         # What it held went back to the queue when its stream broke (at once, not a lease TTL
-        # later), once each, and the survivors finished it.
+        # later), and the survivors finished it (at least that much: a survivor whose workers the
+        # re-formed world restarts mid-rollout gives its running groups back too).
         (victim,) = [n for n in manifest["nodes"] if n["node"] == "node-2-0"]
-        assert manifest["requeued"] == victim["assigned"] - victim["done"], manifest
+        assert manifest["requeued"] >= victim["assigned"] - victim["done"], manifest
     # No shared checkpoint directory: each survivor saved the final one in its own.
     for k in (0, 1):
         final = load_checkpoint(str(out / f"node-{k}" / "checkpoints" / "iter-000006"))
