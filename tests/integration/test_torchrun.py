@@ -172,8 +172,9 @@ def _incarnations(cluster: TorchrunCluster) -> dict[str, int]:
 
 
 def _eviction_time(coordinator_log: str) -> float:
-    """Wall-clock time of the (single) lease eviction in the coordinator's log."""
-    lines = [ln for ln in coordinator_log.splitlines() if "evicted: lease expired" in ln]
+    """Wall-clock time of the (single) eviction of a dead node in the coordinator's log: by its
+    broken stream (the usual case, within the stream grace) or by its lease."""
+    lines = [ln for ln in coordinator_log.splitlines() if "evicted: lease expired" in ln or "evicted: its stream broke" in ln]
     assert len(lines) == 1, lines
     stamp = " ".join(lines[0].split()[:2])  # "2026-11-22 01:37:56,234", local time
     return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
