@@ -524,11 +524,18 @@ class NodeTrainer:
     def _save(self, iteration: int, metrics: dict) -> None:
         cfg, world = self.cfg, self.world
         writer = world.rank == 0 or (cfg.checkpoint.every_node and world.local_rank == 0)
-        model_state, optimizer_state, meta, reference = self._state(
-            iteration, metrics["reward_mean"], all_ranks=cfg.checkpoint.every_node
-        )
-        if not writer:
-            return
+        if self.snapshots is not None:
+            # Every writer is a node's local rank 0, which holds this iteration's snapshot: no
+            # second gather (a collective under sharded strategies), on any rank.
+            if not writer:
+                return
+            state = self.snapshots.taken(iteration)
+            assert state is not None, f"the snapshot of iteration {iteration} was not taken"
+        else:
+            state = self._state(iteration, metrics["reward_mean"], all_ranks=cfg.checkpoint.every_node)
+            if not writer:
+                return
+        model_state, optimizer_state, meta, reference = state
         self.last_checkpoint = ckpt.save_checkpoint(
             self.ckpt_dir, iteration, model_state, optimizer_state, meta, keep_last=cfg.checkpoint.keep_last,
             reference=reference,

@@ -80,6 +80,14 @@ class Snapshots:
         self.wait(timeout_s)
         self._pending = (iteration, model_state, optimizer_state, {**meta, "snapshot": True}, reference)
 
+    def taken(self, iteration: int) -> tuple | None:
+        """(model state, optimizer state, meta, reference) of snapshot ``iteration`` if it is the
+        one taken last and not written yet: a checkpoint of the same iteration reuses it."""
+        if self._pending is None or self._pending[0] != iteration:
+            return None
+        _, model_state, optimizer_state, meta, reference = self._pending
+        return model_state, optimizer_state, {k: v for k, v in meta.items() if k not in ("snapshot", "metrics")}, reference
+
     def record(self, metrics: dict[str, Any]) -> None:
         """The taken snapshot's metrics record: from now on it may be written."""
         if self._pending is not None and self._pending[0] == metrics.get("iteration"):
