@@ -402,6 +402,9 @@ class Membership:
         self.fenced: FencedError | None = None
         self._on_fenced = on_fenced
         self._stop = threading.Event()
+        self.streaming = threading.Event()
+        """Set once a keep-alive went through the Session stream: from then on the coordinator notices
+        this process's death within its stream grace (before, only its lease would)."""
         self._thread = threading.Thread(target=self._renew, name=f"elasticrl-lease-{member_id}", daemon=True)
         self._thread.start()
 
@@ -418,6 +421,7 @@ class Membership:
 
     def _saw_epoch(self, epoch: int) -> None:
         self.epoch = max(self.epoch, epoch)
+        self.streaming.set()
 
     def _fence(self, exc: FencedError) -> None:
         if self.fenced is None:

@@ -41,6 +41,8 @@ def main() -> int:
 
     m = Membership(client, args.run, args.member, on_fenced=on_fenced)
     emit(event="joined", incarnation=m.incarnation, epoch=m.epoch)
+    if m.streaming.wait(30):
+        emit(event="streaming")  # its keep-alives go over a Session stream now
     for name in args.barrier:
         try:
             r = m.arrive(name, timeout_s=args.timeout)

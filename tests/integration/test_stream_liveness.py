@@ -35,9 +35,7 @@ def test_a_sigkilled_member_is_evicted_by_its_broken_stream_long_before_its_leas
     coordinator = coordinator_factory(lease_ttl_s=30.0)
     with CoordinatorClient(coordinator.address, call_timeout_s=5) as client:
         m = members(coordinator.address, "live", "victim")
-        m.wait_event("joined", 20)
-        wait_until(lambda: member_state(client, "live", "victim")["state"] == "MEMBER_STATE_LIVE", 10)
-        time.sleep(0.3)  # its first keep-alive has attached the stream
+        m.wait_event("streaming", 30)  # killed before its first keep-alive, only its lease would tell
         m.kill(signal.SIGKILL)
         killed = time.monotonic()
         # A 30 s lease cannot explain an eviction within 10 s: the broken stream did it.
@@ -52,8 +50,7 @@ def test_a_paused_member_keeps_its_stream_and_is_left_to_its_lease(coordinator_f
     coordinator = coordinator_factory(lease_ttl_s=2.0)
     with CoordinatorClient(coordinator.address, call_timeout_s=5) as client:
         m = members(coordinator.address, "pause", "sleeper")
-        m.wait_event("joined", 20)
-        time.sleep(0.3)
+        m.wait_event("streaming", 30)
         m.kill(signal.SIGSTOP)
         try:
             time.sleep(1.0)  # past the 0.5 s grace, within the 2 s lease: its socket is still open
@@ -120,7 +117,7 @@ def test_a_connection_reset_that_reconnects_within_the_grace_evicts_nobody(coord
                 CoordinatorClient(coordinator.address, call_timeout_s=5) as direct:
             m = Membership(via_proxy, "blip", "steady", lease_ttl_s=3.0)  # a keep-alive per second
             try:
-                time.sleep(0.5)
+                assert m.streaming.wait(30)
                 for _ in range(3):
                     assert proxy.reset_all() > 0
                     time.sleep(1.5)  # past the grace: an unreopened stream would have been evicted
