@@ -205,10 +205,9 @@ class NodeTrainer:
     def _resume(self) -> int:
         """Load the newest checkpoint or snapshot any rank holds (broadcast from the lowest such
         rank: a rank that holds none gets the state over torch.distributed); returns its iteration."""
-        held = [(ckpt.latest_iteration(self.ckpt_dir), self.ckpt_dir)]
-        if self.snapshots is not None:
-            held.append((self.snapshots.latest(), self.snapshots.directory))
-        mine, where = max(held)
+        held = [] if self.snapshots is None else [(self.snapshots.latest(), self.snapshots.directory)]
+        held.append((ckpt.latest_iteration(self.ckpt_dir), self.ckpt_dir))
+        mine, where = max(held, key=lambda h: h[0])  # on a tie the snapshot (host memory) wins
         newest = all_reduce_int(mine, dist.ReduceOp.MAX)
         if newest == 0:
             return 0
