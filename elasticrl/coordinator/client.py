@@ -424,6 +424,7 @@ class Membership:
         self.streaming.set()
 
     def _fence(self, exc: FencedError) -> None:
+        self._stop.set()  # a fenced incarnation renews nothing more
         if self.fenced is None:
             self.fenced = exc
             log.error("member %s incarnation %d fenced: %s", self.member_id, self.incarnation, exc)

@@ -41,7 +41,10 @@ def main() -> int:
 
     m = Membership(client, args.run, args.member, on_fenced=on_fenced)
     emit(event="joined", incarnation=m.incarnation, epoch=m.epoch)
-    if m.streaming.wait(30):
+    deadline = time.monotonic() + 30
+    while not (m.streaming.is_set() or fenced.is_set()) and time.monotonic() < deadline:
+        m.streaming.wait(0.05)
+    if m.streaming.is_set():
         emit(event="streaming")  # its keep-alives go over a Session stream now
     for name in args.barrier:
         try:
