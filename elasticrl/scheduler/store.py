@@ -152,7 +152,7 @@ def _atomic_write(path: pathlib.Path, data: bytes | list, *, fsync: bool) -> Non
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if fsync:  # make the rename itself durable: without it a crash can lose a committed shard
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def _make_dirs(directory: pathlib.Path, *, fsync: bool) -> None:
@@ -167,10 +167,11 @@ def _make_dirs(directory: pathlib.Path, *, fsync: bool) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if fsync:
         for d in reversed(created):
-            _fsync_dir(d.parent)
+            fsync_dir(d.parent)
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
+def fsync_dir(directory: pathlib.Path) -> None:
+    """Make a rename or a new entry in ``directory`` durable (the weight store uses it too)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.signals import Signals
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
+from elasticrl.scheduler.store import fsync_dir
 
 if TYPE_CHECKING:
     import torch
@@ -389,8 +390,8 @@ class WeightStore:
         name = f"v{blob.version:020d}.{FORMAT}"
         os.replace(blob.path, directory / name)
         if self.fsync:  # the rename, and the run's directory itself (new at a run's first publish)
-            _fsync_dir(directory)
-            _fsync_dir(directory.parent)
+            fsync_dir(directory)
+            fsync_dir(directory.parent)
         if self.root is not None:
             meta = {"version": blob.version, "sha256": blob.sha256, "format": blob.format,
                     "total_bytes": blob.total_bytes, "file": name}
@@ -442,7 +443,7 @@ def _atomic_write(path: pathlib.Path, data: bytes | memoryview, *, fsync: bool) 
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if fsync:  # make the rename itself durable
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def _sha256_of(f: BinaryIO) -> str:
@@ -451,14 +452,6 @@ def _sha256_of(f: BinaryIO) -> str:
     while chunk := f.read(CHUNK_BYTES):
         h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(directory: pathlib.Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- helpers for the trainer and the workers --------------------------------------------------------
