@@ -221,7 +221,14 @@ class EpisodeRunner:
         self._closed = True
 
         async def shutdown() -> None:
-            self._batcher.cancel()
+            # Episodes still playing end now (their ``play`` callers get CancelledError): a
+            # caller left waiting on a stopped loop would hang its thread, and with it the exit
+            # of the process (which joins pool threads), until torchrun's SIGKILL 30 s later.
+            playing = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in self._closing]
+            for task in playing:
+                task.cancel()
+            if playing:
+                await asyncio.wait(playing, timeout=timeout_s)
             envs, self._idle_envs = self._idle_envs, []
             for env in envs:
                 await self._close_env(env)

@@ -216,6 +216,32 @@ def test_an_engine_error_is_not_the_envs_and_propagates():
         r.close()
 
 
+def test_closing_the_runner_ends_a_play_in_progress_instead_of_leaving_its_thread_blocked():
+    """torchrun stops a worker with SIGTERM mid-rollout: the runner is closed while an engine
+    thread waits in ``play``. That call must end (the process exit joins such threads; a blocked
+    one held the worker until torchrun's SIGKILL 30 s later)."""
+    Flaky.steps = 0
+    r = runner(ScriptedEngine(lambda ctx, i: "1"), make_env=lambda: Flaky(sleep_s=0.3), max_turns=50,
+               step_timeout_s=30)
+    outcome: list = []
+    player = threading.Thread(target=lambda: outcome.append(_play_or_error(r)), daemon=True)
+    player.start()
+    time.sleep(0.5)  # in the middle of its episodes
+    t0 = time.monotonic()
+    r.close(timeout_s=5)
+    player.join(timeout=5)
+    assert not player.is_alive(), "play() still blocked after close()"
+    assert time.monotonic() - t0 < 5
+    assert outcome and isinstance(outcome[0], BaseException), outcome
+
+
+def _play_or_error(r: EpisodeRunner):
+    try:
+        return r.play(groups(2, episodes=2))
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+
+
 def test_a_cancelled_group_stops_at_its_next_turn():
     cancelled = threading.Event()
     cancelled.set()
