@@ -487,14 +487,20 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("id", "keep_alive", "arrive")
+    __slots__ = ("id", "keep_alive", "arrive", "close")
     ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     ARRIVE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     id: int
     keep_alive: KeepAliveRequest
     arrive: ArriveRequest
-    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ...) -> None: ...
+    close: SessionClose
+    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
+
+class SessionClose(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("id", "keep_alive", "arrive", "error")

@@ -33,6 +33,9 @@ from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableErro
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 0.5
+"""How long ``close`` lets the coordinator end the stream after the ``close`` message."""
+
 
 def worth_reopening(err: grpc.RpcError) -> bool:
     """A stream ending that a new stream may fix: the coordinator went away (UNAVAILABLE), ended
@@ -126,6 +129,12 @@ class AsyncSession:
     async def close(self) -> None:
         """End the stream; operations still pending fail with ``CoordinatorUnavailableError``."""
         self._closed = True
+        if self._outbox is not None and self._runner is not None and not self._runner.done():
+            # Say so, then half-close: a stream that just ends reads as a crash to the coordinator.
+            self._outbox.put_nowait(pb.SessionRequest(id=next(self._ids), close=pb.SessionClose()))
+            self._outbox.put_nowait(None)
+            # The coordinator ends the stream once its arrivals are answered: wait a little.
+            await asyncio.wait({self._runner}, timeout=CLOSE_WAIT_S)
         if self._runner is not None:
             self._runner.cancel()
             try:
@@ -200,7 +209,7 @@ class AsyncSession:
         budget = wire.ReopenBudget(self.reconnect_timeout_s)
         while True:
             was_up, detail = await self._one_stream()
-            if detail is None:
+            if detail is None or self._closed:
                 return  # a failure a new stream cannot fix: pending operations got its error
             pause = budget.pause_after(was_up)
             if pause is None:

@@ -195,6 +195,8 @@ class CoordinatorClient:
             for n in itertools.count(1):
                 yield pb.SessionRequest(id=n, keep_alive=keep_alive)
                 if stop.wait(period_s):
+                    # On purpose, said so: without it the coordinator takes the end for a crash.
+                    yield pb.SessionRequest(id=n + 1, close=pb.SessionClose())
                     return  # half-close: the coordinator ends the stream cleanly
 
         while not stop.is_set():

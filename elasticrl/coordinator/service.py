@@ -318,10 +318,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # The members whose keep-alives this stream carries: when it breaks instead of being closed
         # by the client, the coordinator evicts them unless they reopen one within the grace.
         members: set[tuple[str, str, int]] = set()
-        clean = False
+        said_close: list[bool] = []  # the client sent ``close``: it ended the stream on purpose
         # Initial metadata now, not with the first response: it tells the client the stream is up.
         await context.send_initial_metadata(())
-        reader = asyncio.create_task(self._session_read(requests, out, arrivals, members), name="session-read")
+        reader = asyncio.create_task(self._session_read(requests, out, arrivals, members, said_close), name="session-read")
         try:
             while True:
                 item = await out.get()
@@ -332,7 +332,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     # named InternalError, so the client tells it from a transport failure
                     await abort_with(context, InternalError(f"internal error: {type(item).__name__}: {item}"))
                 if item is None:
-                    clean = True
                     return  # the client half-closed and every arrival was answered
                 yield item
         finally:
@@ -340,10 +339,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             for task in list(arrivals):
                 task.cancel()
             for key in members:
-                self.core.stream_detached(*key, abrupt=not clean)
+                # Not "the reader saw the end of the requests": a killed client's reset often
+                # reads as one (a half-close) before grpc cancels this handler.
+                self.core.stream_detached(*key, abrupt=not said_close)
 
     async def _session_read(
         self, requests, out: asyncio.Queue, arrivals: set[asyncio.Task], members: set[tuple[str, str, int]],
+        said_close: list[bool],
     ) -> None:
         try:
             async for request in requests:
@@ -358,6 +360,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     task = asyncio.create_task(self._session_arrive(request.id, request.arrive, out))
                     arrivals.add(task)
                     task.add_done_callback(arrivals.discard)
+                elif op == "close":
+                    said_close.append(True)
                 elif op == "keep_alive":
                     # Waits while ``out`` is full: the next request is read only when there is room.
                     response = self._session_keep_alive(request.id, request.keep_alive)
@@ -369,7 +373,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                             self.core.stream_attached(*key)
                     await out.put(response)
                 else:
-                    error = InvalidRequestError("op: must be set (keep_alive or arrive)")
+                    error = InvalidRequestError("op: must be set (keep_alive, arrive or close)")
                     await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
             while arrivals:
                 await asyncio.wait(set(arrivals))

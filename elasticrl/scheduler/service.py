@@ -223,13 +223,11 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         await context.send_initial_metadata(())
         reader = asyncio.create_task(self._read(conn, requests), name=f"work-read-{conn.worker.member_id}")
         reason = "stream ended"
-        clean = False
         try:
             while True:
                 item = await conn.outbox.get()
                 if isinstance(item, End):
                     if item.error is None:
-                        clean = True
                         return
                     reason = str(item.error)
                     if isinstance(item.error, grpc.aio.AbortError):
@@ -238,7 +236,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 yield _out_message(item)
         finally:
             reader.cancel()
-            self.core.disconnect(conn, reason, abrupt=not clean)
+            # Always abrupt: a killed worker's reset often reads as a half-close here. A worker
+            # that stops on purpose leaves first, and the end of a departed member's stream
+            # evicts nobody.
+            self.core.disconnect(conn, reason)
 
     def _connect(self, request: spb.WorkRequest) -> WorkerConn:
         if request.WhichOneof("kind") != "hello":

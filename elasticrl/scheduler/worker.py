@@ -151,18 +151,21 @@ class RolloutWorker:
                 await self._drain(streams)
             elif lease in done and self.fenced is not None and not streams.done():
                 await self._finish_fenced(streams)
-            for task in (streams, lease, stopper):
-                task.cancel()
-            for task in (streams, lease):
-                if task in done and task.exception() is not None:
-                    raise task.exception()
-            if self.fenced is not None:
-                raise self.fenced
-            if self.fenced is None:
+            failed = next((t.exception() for t in (streams, lease) if t in done and t.exception() is not None), None)
+            if failed is None and self.fenced is None:
+                # Leave while the stream is still open: the coordinator takes a Work stream's end
+                # for a crash (a half-close and a killed process's reset look alike to it), but
+                # not once the member has left.
                 try:
                     await client.leave(self.run_id, self.member_id, self.incarnation, "worker stopped")
                 except ElasticRLError as exc:
                     log.warning("worker %s: leave failed: %s", self.member_id, exc)
+            for task in (streams, lease, stopper):
+                task.cancel()
+            if failed is not None:
+                raise failed
+            if self.fenced is not None:
+                raise self.fenced
         finally:
             for a in self._running.values():
                 a.cancelled.set()

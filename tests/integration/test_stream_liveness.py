@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl.coordinator import wire
 from elasticrl.coordinator.client import CoordinatorClient, Membership
 
 from tests.conftest import wait_until
@@ -130,3 +132,24 @@ def test_a_connection_reset_that_reconnects_within_the_grace_evicts_nobody(coord
         assert "stream broke" not in log
     finally:
         proxy.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_ended_without_its_close_message_counts_as_broken_and_one_with_it_does_not(coordinator_factory):
+    """A killed client's reset often reaches the server as a plain end of the requests (a
+    half-close) before grpc cancels the handler, so only an explicit ``close`` tells a stream
+    ended on purpose. Without it the member goes within the grace; with it, only at its lease."""
+    coordinator = coordinator_factory(lease_ttl_s=30.0)
+    with CoordinatorClient(coordinator.address, call_timeout_s=5) as client:
+        for member, say_close in (("quiet", False), ("polite", True)):
+            joined = client.join("ends", member)
+            ka = pb.KeepAliveRequest(run_id="ends", member=wire.member_ref(member, joined.incarnation))
+            requests = [pb.SessionRequest(id=1, keep_alive=ka)]
+            if say_close:
+                requests.append(pb.SessionRequest(id=2, close=pb.SessionClose()))
+            answers = list(client._stub.Session(iter(requests), timeout=10))  # then a half-close
+            assert [a.id for a in answers] == [1] and not answers[0].HasField("error")
+        time.sleep(1.5)  # past the 0.5 s grace, well within the 30 s lease
+        assert member_state(client, "ends", "quiet")["state"] == "MEMBER_STATE_EVICTED"
+        assert "stream broke" in member_state(client, "ends", "quiet")["reason"]
+        assert member_state(client, "ends", "polite")["state"] == "MEMBER_STATE_LIVE"
