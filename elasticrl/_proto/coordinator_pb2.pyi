@@ -377,16 +377,18 @@ class KVNumKeysResponse(_message.Message):
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class RoundConfig(_message.Message):
-    __slots__ = ("min_nodes", "max_nodes", "last_call_ms", "join_timeout_ms")
+    __slots__ = ("min_nodes", "max_nodes", "last_call_ms", "join_timeout_ms", "rejoin_timeout_ms")
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     LAST_CALL_MS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     min_nodes: int
     max_nodes: int
     last_call_ms: int
     join_timeout_ms: int
-    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_call_ms: _Optional[int] = ..., join_timeout_ms: _Optional[int] = ...) -> None: ...
+    rejoin_timeout_ms: int
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_call_ms: _Optional[int] = ..., join_timeout_ms: _Optional[int] = ..., rejoin_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
     __slots__ = ("round", "participants", "waiting", "lost", "config")

@@ -342,6 +342,7 @@ class CoordinatorClient:
         last_call_s: float,
         join_timeout_s: float,
         after_round: int,
+        rejoin_timeout_s: float = 30.0,
         wait_s: float = MAX_WAIT_CHUNK_S,
     ) -> RoundResult:
         """One bounded wait for a round newer than ``after_round``; status "waiting" means call again."""
@@ -355,6 +356,7 @@ class CoordinatorClient:
                     max_nodes=max_nodes,
                     last_call_ms=max(1, int(last_call_s * 1000)),
                     join_timeout_ms=max(1, int(join_timeout_s * 1000)),
+                    rejoin_timeout_ms=max(1, int(rejoin_timeout_s * 1000)) if rejoin_timeout_s > 0 else -1,
                 ),
                 after_round=after_round,
                 wait_ms=max(1, int(wait_s * 1000)),

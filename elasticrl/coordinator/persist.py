@@ -177,7 +177,7 @@ class StateDB:
     def put_rendezvous(self, run_id: str, rdzv: Rendezvous) -> None:
         cfg = rdzv.config
         state = {
-            "config": None if cfg is None else [cfg.min_nodes, cfg.max_nodes, cfg.last_call_s, cfg.join_timeout_s],
+            "config": None if cfg is None else [cfg.min_nodes, cfg.max_nodes, cfg.last_call_s, cfg.join_timeout_s, cfg.rejoin_timeout_s],
             "round": rdzv.round,
             "participants": rdzv.participants,
             "waiting": list(rdzv.waiting.items()),

@@ -35,6 +35,8 @@ def next_deadline(run: Run) -> float | None:
     if rdzv.config is not None and rdzv.waiting:
         if rdzv.min_reached_at is not None:
             times.append(rdzv.min_reached_at + rdzv.config.last_call_s)
+            if rdzv.round > 0 and rdzv.config.rejoin_timeout_s > rdzv.config.last_call_s:
+                times.append(rdzv.min_reached_at + rdzv.config.rejoin_timeout_s)
         if rdzv.waiting_since is not None:
             times.append(rdzv.waiting_since + rdzv.config.join_timeout_s)
     return min(times) if times else None
@@ -122,8 +124,10 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
 
     Complete when max_nodes are waiting; or when min_nodes are waiting and every live participant
     of the previous round is among them (a re-form after a failure needs no last-call wait); or
-    when min_nodes have been waiting for the last-call window. Time out when min_nodes were not
-    reached within the join timeout of the first waiter.
+    when min_nodes have been waiting for the last-call window, held (a re-form only) up to the
+    rejoin timeout while a live participant of the previous round has not rejoined: an agent
+    slow to stop its workers would otherwise be left out, and come back as one more re-form. Time
+    out when min_nodes were not reached within the join timeout of the first waiter.
     """
     cfg = rdzv.config
     waiting = [(m, inc) for m, inc in rdzv.waiting.items() if run.is_live(m, inc)]
@@ -135,11 +139,12 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
         prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
         started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
         last_call_over = now >= started + cfg.last_call_s
+        held = [m for m in prev_live if m not in ids]
+        hold_over = now >= started + max(cfg.last_call_s, cfg.rejoin_timeout_s if rdzv.round > 0 else 0.0)
         if n >= cfg.max_nodes:
             # A standby newcomer must not take the slot of a live participant of the previous
-            # round that is still restarting: hold the slots until it rejoins or last call ends.
-            held = [m for m in prev_live if m not in ids]
-            if held and not last_call_over:
+            # round that is still restarting: hold the slots until it rejoins or the hold ends.
+            if held and not hold_over:
                 return RoundDecision("wait", (), f"holding slots for {', '.join(held)} of round {rdzv.round}")
             chosen = _prefer_previous(rdzv.participants, waiting)[: cfg.max_nodes]
             return RoundDecision(
@@ -151,6 +156,8 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
                 assign_ranks(rdzv.participants, waiting),
                 f"all {len(prev_live)} live participant(s) of round {rdzv.round} rejoined, {n} node(s) in all",
             )
+        if held and last_call_over and not hold_over:
+            return RoundDecision("wait", (), f"holding for {', '.join(held)} of round {rdzv.round} (rejoin timeout)")
         if last_call_over:
             return RoundDecision(
                 "complete",

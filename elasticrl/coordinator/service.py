@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 DEFAULT_LAST_CALL_S = 2.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_REJOIN_TIMEOUT_S = 30.0
 WATCH_HEARTBEAT_S = 15.0
 # A Session stream's responses not yet taken by gRPC: past this many, the stream's requests are not
 # read until there is room, so a client that does not read its responses holds the coordinator's
@@ -147,6 +148,7 @@ def run_snapshot(core: CoordinatorCore, run: Run) -> pb.RunSnapshot:
                 max_nodes=cfg.max_nodes,
                 last_call_ms=int(cfg.last_call_s * 1000),
                 join_timeout_ms=int(cfg.join_timeout_s * 1000),
+                rejoin_timeout_ms=int(cfg.rejoin_timeout_s * 1000) if cfg.rejoin_timeout_s > 0 else -1,
             ),
         ),
     )
@@ -463,6 +465,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             max_nodes=max_nodes,
             last_call_s=v.duration_ms("config.last_call_ms", c.last_call_ms) if c.last_call_ms else DEFAULT_LAST_CALL_S,
             join_timeout_s=v.duration_ms("config.join_timeout_ms", c.join_timeout_ms) or DEFAULT_JOIN_TIMEOUT_S,
+            rejoin_timeout_s=0.0 if c.rejoin_timeout_ms < 0
+            else v.duration_ms("config.rejoin_timeout_ms", c.rejoin_timeout_ms) or DEFAULT_REJOIN_TIMEOUT_S,
         )
         result = await self.core.round_join(
             run_id,

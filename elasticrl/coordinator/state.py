@@ -82,6 +82,8 @@ class RoundConfig:
     max_nodes: int
     last_call_s: float
     join_timeout_s: float
+    rejoin_timeout_s: float = 30.0
+    """A re-form holds this long after min_nodes joined for the previous round's live participants."""
 
 
 @dataclasses.dataclass(frozen=True)

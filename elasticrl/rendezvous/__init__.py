@@ -25,6 +25,9 @@ key                 default     meaning
 last_call_timeout   2           after min nodes joined a round, wait this long for more
 join_timeout        600         a round that has not reached min nodes by then fails
                                 (RendezvousTimeoutError); also bounds one next_rendezvous()
+rejoin_timeout      30          after a failure, hold the new round (past the last call) this
+                                long for agents of the previous round that are alive but
+                                still stopping their workers; 0: do not hold
 lease_ttl           (server)    this agent's lease; silent this long -> evicted. Default: the
                                 coordinator's ``--lease-ttl``
 read_timeout        60          default timeout of the agent store's blocking get/wait

@@ -42,6 +42,10 @@ class RendezvousConfig:
     """After ``min_nodes`` joined a round, wait this long for more before completing it, seconds."""
     join_timeout_s: float = 600.0
     """A round that has not reached ``min_nodes`` this long after it opened fails, seconds."""
+    rejoin_timeout_s: float = 30.0
+    """After a failure, hold the new round this long (past the last call) for the previous round's
+    agents that are alive but still stopping their workers, seconds; 0 does not hold. The default
+    matches torchrun's wait between SIGTERM and SIGKILL of a worker."""
     lease_ttl_s: float = 0.0
     """This agent's lease TTL, seconds; 0 takes the coordinator's ``--lease-ttl``."""
     read_timeout_s: float = 60.0
@@ -68,6 +72,8 @@ class RendezvousConfig:
         for name in ("last_call_s", "join_timeout_s", "read_timeout_s", "call_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{_KEY_OF[name]}: {getattr(self, name)!r} must be a positive number of seconds")
+        if self.rejoin_timeout_s < 0:
+            raise ValueError(f"rejoin_timeout: {self.rejoin_timeout_s!r} must be >= 0 seconds (0: do not hold)")
         if self.lease_ttl_s < 0 or 0 < self.lease_ttl_s < 0.1:
             raise ValueError(f"lease_ttl: {self.lease_ttl_s!r} must be >= 0.1 seconds (or 0 for the coordinator's default)")
 
@@ -106,6 +112,7 @@ class RendezvousConfig:
 _CONF_KEYS = {
     "last_call_timeout": "last_call_s",
     "join_timeout": "join_timeout_s",
+    "rejoin_timeout": "rejoin_timeout_s",
     "lease_ttl": "lease_ttl_s",
     "read_timeout": "read_timeout_s",
     "token_file": "token_file",

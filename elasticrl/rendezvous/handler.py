@@ -240,6 +240,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                         cfg.run_id, m.member_id, m.incarnation,
                         min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
                         last_call_s=cfg.last_call_s, join_timeout_s=cfg.join_timeout_s,
+                        rejoin_timeout_s=cfg.rejoin_timeout_s,
                         after_round=self._round, wait_s=min(ROUND_WAIT_CHUNK_S, max(0.05, left)),
                     )
                 except FencedError as exc:

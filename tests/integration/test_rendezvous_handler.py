@@ -78,6 +78,8 @@ def test_too_old_torch_is_a_clear_error(monkeypatch):
 def test_bad_rdzv_conf_names_the_key(coordinator):
     with pytest.raises(ValueError, match="lease_ttl"):
         rdzv.create_handler(make_params(coordinator.address, "n0", lease_ttl="soon"))
+    with pytest.raises(ValueError, match="rejoin_timeout"):
+        rdzv.create_handler(make_params(coordinator.address, "n0", rejoin_timeout="-1"))
     with pytest.raises(ValueError, match="rdzv-endpoint"):
         rdzv.create_handler(RendezvousParameters("elasticrl", "", "rdzv", 1, 2))
 

@@ -128,8 +128,8 @@ def test_decided_barrier_stays_decided():
 # -- rendezvous rounds --------------------------------------------------------------------------
 
 
-def rdzv(min_nodes=2, max_nodes=4, last_call=1.0, join_timeout=10.0) -> Rendezvous:
-    return Rendezvous(config=RoundConfig(min_nodes, max_nodes, last_call, join_timeout))
+def rdzv(min_nodes=2, max_nodes=4, last_call=1.0, join_timeout=10.0, rejoin=5.0) -> Rendezvous:
+    return Rendezvous(config=RoundConfig(min_nodes, max_nodes, last_call, join_timeout, rejoin))
 
 
 def wait(r: Rendezvous, run: Run, *ids: str, since: float = 0.0) -> None:
@@ -180,10 +180,37 @@ def test_full_round_holds_slots_for_restarting_participants():
     r.waiting["b"] = 2
     d = policy.decide_round(r, run, now=3.5)
     assert d.action == "complete" and [m for m, _ in d.participants] == ["a", "b"]
-    # if b never comes back, the standby node gets the slot when last call ends
+    # if b never comes back, the standby node gets the slot when the rejoin hold ends
     del r.waiting["b"]
-    d = policy.decide_round(r, run, now=4.0)
+    assert policy.decide_round(r, run, now=7.9).action == "wait"
+    d = policy.decide_round(r, run, now=8.0)
     assert d.action == "complete" and {m for m, _ in d.participants} == {"a", "standby"}
+
+
+def test_reform_holds_past_last_call_for_a_live_participant_still_stopping_its_workers():
+    """c died; b's agent is alive but its worker takes seconds to stop. Closing at last call would
+    form a world of one and re-form again when b comes: hold for b, up to the rejoin timeout."""
+    run = make_run("a", "b", "c")
+    run.members["c"].status = MemberStatus.EVICTED
+    r = rdzv(min_nodes=1, max_nodes=3, last_call=1.0, rejoin=5.0)
+    r.round, r.participants = 1, [("a", 1), ("b", 2), ("c", 3)]
+    wait(r, run, "a", since=10.0)
+    d = policy.decide_round(r, run, now=12.0)  # past last call
+    assert d.action == "wait" and "holding for b" in d.reason
+    r.waiting["b"] = 2
+    d = policy.decide_round(r, run, now=12.0)
+    assert d.action == "complete" and [m for m, _ in d.participants] == ["a", "b"]
+    # b's agent never rejoins (wedged): the hold ends and a goes on alone
+    del r.waiting["b"]
+    d = policy.decide_round(r, run, now=15.0)
+    assert d.action == "complete" and [m for m, _ in d.participants] == ["a"]
+    # rejoin_timeout 0: no hold, the last call decides as before
+    r.config.rejoin_timeout_s = 0.0
+    assert policy.decide_round(r, run, now=11.0).action == "complete"
+    # a first round has no previous participants to hold for
+    first = rdzv(min_nodes=1, max_nodes=3)
+    wait(first, run, "a", since=0.0)
+    assert policy.decide_round(first, run, now=1.0).action == "complete"
 
 
 def test_round_times_out_below_min_nodes():
