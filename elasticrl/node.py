@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfgmod.to_dict(config), indent=2, sort_keys=True))
         return 0
     _die_with_parent()
-    # torchrun stops workers with SIGTERM: turn it into SystemExit so the loop leaves the run cleanly.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # torchrun stops workers with SIGTERM: SystemExit, so the loop leaves the run cleanly, and a
+    # watchdog that exits anyway (the snapshot flushed) when a blocked collective keeps it in.
+    from elasticrl.train import stop
+
+    stop.install()
 
     import warnings
 

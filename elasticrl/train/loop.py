@@ -44,7 +44,7 @@ from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
-from elasticrl.train import checkpoint as ckpt, snapshot
+from elasticrl.train import checkpoint as ckpt, snapshot, stop
 from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
@@ -77,6 +77,10 @@ class NodeTrainer:
         self.ckpt_dir = config.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
         snap_dir = config.checkpoint.snapshot_dir or snapshot.default_dir(self.run_dir, config.run.run_id, self.logctx.node)
         self.snapshots = snapshot.Snapshots(snap_dir) if config.checkpoint.snapshots else None
+        # Written on a forced exit too (SIGTERM while stuck in a collective): see train.stop.
+        self._forget_flush = (
+            stop.on_forced_exit(self.snapshots.flush) if self.snapshots is not None and world.local_rank == 0 else lambda: None
+        )
         self.task = toy_task(config)
         self.max_new_tokens = max_new_tokens(config, self.task)
         try:
@@ -637,6 +641,7 @@ class NodeTrainer:
         of this run's snapshots (the disk checkpoints stay)."""
         dist.barrier()
         self._finished = True
+        self._forget_flush()
         if self.snapshots is not None and self.world.local_rank == 0 and not self.cfg.checkpoint.snapshot_dir:
             self.snapshots.wait()
             shutil.rmtree(snapshot.run_root(self.run_dir, self.cfg.run.run_id), ignore_errors=True)
@@ -652,6 +657,7 @@ class NodeTrainer:
                 self.snapshots.flush()
             except Exception as exc:  # noqa: BLE001 - the disk checkpoint is still there
                 log.warning("could not write the last snapshot: %s", exc)
+        self._forget_flush()
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None

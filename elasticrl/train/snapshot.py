@@ -19,11 +19,13 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any
 
 import torch
 
+from elasticrl.errors import ElasticRLError
 from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.background import BackgroundCall
 
@@ -66,6 +68,9 @@ class Snapshots:
         self.directory = directory
         self._writing: BackgroundCall | None = None
         self._pending: tuple | None = None
+        # The main thread takes and writes; a SIGTERM watchdog (train.stop) may flush while the
+        # main thread is stuck in a collective, or wait here while it flushes itself.
+        self._lock = threading.RLock()
 
     def latest(self) -> int:
         """The newest complete snapshot's iteration; 0 when there is none."""
@@ -77,8 +82,9 @@ class Snapshots:
     ) -> None:
         """Take snapshot ``iteration`` (copies the training will not change) to write next, once
         the write before it finished (its failure is re-raised here)."""
-        self.wait(timeout_s)
-        self._pending = (iteration, model_state, optimizer_state, {**meta, "snapshot": True}, reference)
+        with self._lock:
+            self.wait(timeout_s)
+            self._pending = (iteration, model_state, optimizer_state, {**meta, "snapshot": True}, reference)
 
     def taken(self, iteration: int) -> tuple | None:
         """(model state, optimizer state, meta, reference) of snapshot ``iteration`` if it is the
@@ -90,31 +96,39 @@ class Snapshots:
 
     def record(self, metrics: dict[str, Any]) -> None:
         """The taken snapshot's metrics record: from now on it may be written."""
-        if self._pending is not None and self._pending[0] == metrics.get("iteration"):
-            self._pending[3]["metrics"] = metrics
+        with self._lock:
+            if self._pending is not None and self._pending[0] == metrics.get("iteration"):
+                self._pending[3]["metrics"] = metrics
 
     def write_pending(self) -> None:
         """Start writing the snapshot taken last, if it has its record and is not written yet."""
-        if self._pending is None or self._writing is not None or "metrics" not in self._pending[3]:
-            return
-        iteration, model_state, optimizer_state, meta, reference = self._pending
-        self._pending = None
-        self._writing = BackgroundCall(
-            lambda: ckpt.save_checkpoint(
-                self.directory, iteration, model_state, optimizer_state, meta, keep_last=1, reference=reference,
-            ),
-            f"snapshot of iteration {iteration}",
-        )
+        with self._lock:
+            if self._pending is None or self._writing is not None or "metrics" not in self._pending[3]:
+                return
+            iteration, model_state, optimizer_state, meta, reference = self._pending
+            self._pending = None
+            self._writing = BackgroundCall(
+                lambda: ckpt.save_checkpoint(
+                    self.directory, iteration, model_state, optimizer_state, meta, keep_last=1, reference=reference,
+                ),
+                f"snapshot of iteration {iteration}",
+            )
 
     def wait(self, timeout_s: float = 600.0) -> None:
         """Wait for the write in flight, if any; re-raise its failure."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.wait(timeout_s)
+        with self._lock:
+            writing, self._writing = self._writing, None
+            if writing is not None:
+                writing.wait(timeout_s)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Write what was taken and wait for it: before the process exits, even on a failure (the
-        survivors of a dead node resume from these)."""
-        self.wait(timeout_s)
-        self.write_pending()
-        self.wait(timeout_s)
+        survivors of a dead node resume from these). Callable from another thread."""
+        if not self._lock.acquire(timeout=timeout_s):
+            raise ElasticRLError(f"snapshots in {self.directory}: still busy after {timeout_s:.0f}s")
+        try:
+            self.wait(timeout_s)
+            self.write_pending()
+            self.wait(timeout_s)
+        finally:
+            self._lock.release()
