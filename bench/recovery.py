@@ -5,15 +5,18 @@ Two sections, one run:
 * ``snapshot``: the per-iteration snapshot of a ``--state-gb`` GB state dict on the CPU (fp32
   tensors of 64 MiB): the copy taken on the critical path (``clone``), and the background write to
   host memory (``/dev/shm``, the same files as a checkpoint), each in GB/s.
-* ``demo``: ``elasticrl run`` of the bundled demo with 3 nodes, once undisturbed and once per
-  ``--phases`` entry with the last node SIGKILLed (agent and worker) during that phase of
-  iteration ``--kill-at``. From ``metrics.jsonl``: iterations redone (records of an iteration
-  beyond its first, plus iterations finished before the kill that the resumed world ran again),
-  the gap in records around the failure (the last record of the world of 3 to the first of the
-  world of 2, which includes one iteration), the mean iteration time, the snapshot's share of it
-  (``t_snapshot``), and the final reward (mean of the last 5 iterations) against the undisturbed run.
+* ``demo``: ``elasticrl run`` of the bundled demo with 3 nodes (lease ``--lease-ttl``, 5 s), once
+  undisturbed, then per ``--phases`` entry with the last node SIGKILLed (agent and worker) during
+  that phase of iteration ``--kill-at``, and once with that node gone silent (SIGSTOP of all its
+  processes during the update: no socket closes, only its lease tells). Each kill runs again with
+  torchrun's c10d rendezvous (``--baseline``), in the same run. Reported: iterations redone
+  (records of an iteration beyond its first, plus iterations finished before the kill that the
+  resumed world ran again), ``ready s``: seconds from the kill until both survivors resumed
+  training (their workers' "resumed from iteration" log line), the gap in records around the
+  failure (includes one iteration), the mean iteration time, the snapshot's share of it
+  (``t_snapshot``), and the final reward (mean of the last 5 iterations).
 
-    python bench/recovery.py                           # ~2 min on 2 cores
+    python bench/recovery.py                           # ~10 min on 2 cores
     python bench/recovery.py --state-gb 0.25 --phases update --json-out /tmp/recovery.json
 """
 
@@ -61,48 +64,91 @@ def snapshot_cost(state_gb: float) -> dict:
             "write_s": round(write_s, 3), "write_gb_s": round(size / write_s / 1e9, 2)}
 
 
-def demo_run(tmp: pathlib.Path, label: str, args, kill: str | None) -> dict:
+def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
+    """One ``elasticrl run`` of the demo with 3 nodes; ``case``: label, backend, and phase/signal of
+    the kill (None: undisturbed)."""
+    label, phase = case["label"], case.get("phase")
     out = tmp / label
     cmd = [sys.executable, "-m", "elasticrl.cli", "run", str(REPO / "elasticrl" / "configs" / "demo.toml"),
-           "--nodes", "3", "--iterations", str(args.iterations), "--out", str(out)]
-    if kill:
-        cmd += ["--kill-at", str(args.kill_at), "--kill-phase", kill]
+           "--nodes", "3", "--iterations", str(args.iterations), "--out", str(out), "--lease-ttl", str(args.lease_ttl),
+           "--rdzv-backend", case["backend"], "--timeout", str(args.timeout)]
+    if phase:
+        cmd += ["--kill-at", str(args.kill_at), "--kill-phase", phase, "--kill-signal", case["signal"]]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout + 60)
+        rc, stdout = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        rc, stdout = None, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
     wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise BenchError(f"{label}: elasticrl run exited {proc.returncode}:\n{proc.stdout[-3000:]}")
+    row = {"run": label, "backend": case["backend"], "wall_s": round(wall, 1)}
+    if rc != 0:
+        # A baseline that never recovers is a result, not a bench failure.
+        if case["backend"] != "elasticrl":
+            return {**row, "error": f"exited {rc} after {wall:.0f}s (did not recover within --timeout {args.timeout:g}s)"}
+        raise BenchError(f"{label}: elasticrl run exited {rc}:\n{stdout[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     iterations = [r["iteration"] for r in records]
     seconds = [r["seconds"] for r in records]
     snap = [r.get("t_snapshot", 0.0) for r in records]
-    row = {
-        "run": label, "wall_s": round(wall, 1), "iterations": len(set(iterations)),
+    row.update({
+        "iterations": len(set(iterations)),
         "iteration_s_mean": round(statistics.mean(seconds), 4),
         "snapshot_share": round(sum(snap) / sum(seconds), 4),
         "reward_last5": round(statistics.mean(r["reward_mean"] for r in records[-5:]), 3),
-    }
-    if kill:
-        resumed = [int(m) for m in re.findall(r"resumed from iteration (\d+)", proc.stdout)]
-        killed = re.search(r"killing node-2 .*? (?:of|after) iteration (\d+)", proc.stdout)
+    })
+    if phase:
+        resumed = [int(m) for m in re.findall(r"resumed from iteration (\d+)", stdout)]
+        killed = re.search(r"killing node-2 .*? (?:of|after) iteration (\d+)", stdout)
         k = int(killed.group(1)) if killed else args.kill_at
         before = [r for r in records if r["world_size"] == 3]
         after = [r for r in records if r["world_size"] == 2]
         finished_before = max((r["iteration"] for r in before), default=0)
         rerun = max(0, finished_before - min(resumed)) if resumed else 0
         row.update({
-            "kill_phase": kill, "kill_iteration": k, "resumed_from": min(resumed) if resumed else None,
+            "kill_phase": phase, "kill_signal": case["signal"], "kill_iteration": k,
+            "resumed_from": min(resumed) if resumed else None,
             "iterations_redone": (len(iterations) - len(set(iterations))) + rerun,
+            "kill_to_training_s": kill_to_training(out / "logs"),
             "gap_s": round(after[0]["time_unix_s"] - before[-1]["time_unix_s"], 2) if before and after else None,
         })
     return row
 
 
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*resumed from iteration", re.M)
+
+
+def kill_to_training(logs: pathlib.Path) -> float | None:
+    """Seconds from the kill (``events.jsonl``) until the last survivor resumed training (its
+    worker's "resumed from iteration" line, the state loaded and the next rollout starting)."""
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    (kill,) = [e for e in events if e["event"] == "kill"]
+    ready = []
+    for k in (0, 1):  # the survivors; node-2 is the victim
+        times = [time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+                 for m in LOG_TIME.finditer((logs / f"node-{k}.log").read_text())]
+        after = [t for t in times if t > kill["time_unix_s"]]
+        if not after:
+            return None
+        ready.append(min(after))
+    return round(max(ready) - kill["time_unix_s"], 2)
+
+
+def cases(args) -> list[dict]:
+    out = [{"label": "undisturbed", "backend": "elasticrl"}]
+    for backend in ["elasticrl"] + ([args.baseline] if args.baseline != "none" else []):
+        for phase in args.phases.split(","):
+            out.append({"label": f"{backend}-kill-{phase}", "backend": backend, "phase": phase, "signal": "KILL"})
+        if args.host_stop:
+            out.append({"label": f"{backend}-stop-update", "backend": backend, "phase": "update", "signal": "STOP"})
+    return out
+
+
 def run(args, tmp: pathlib.Path) -> dict:
-    doc = {"snapshot": snapshot_cost(args.state_gb), "demo": []}
-    doc["demo"].append(demo_run(tmp, "undisturbed", args, None))
-    for phase in args.phases.split(","):
-        doc["demo"].append(demo_run(tmp, f"kill-{phase}", args, phase))
+    doc = {"snapshot": snapshot_cost(args.state_gb), "lease_ttl_s": args.lease_ttl, "demo": []}
+    for case in cases(args):
+        print(f"bench/recovery.py: {case['label']} ...", file=sys.stderr, flush=True)
+        doc["demo"].append(demo_run(tmp, case, args))
     return doc
 
 
@@ -111,24 +157,39 @@ def render(doc: dict) -> str:
     lines = [
         f"snapshot of {s['bytes'] / 2**30:.2f} GiB on the CPU: copy {s['clone_s']:.3f} s ({s['clone_gb_s']} GB/s, on the "
         f"critical path); write to {s['where']} {s['write_s']:.3f} s ({s['write_gb_s']} GB/s, in the background)",
-        f"{'run':<14} {'redone':>6} {'resumed':>8} {'gap s':>6} {'iter s':>7} {'snapshot':>9} {'reward':>7} {'wall s':>7}",
+        f"lease TTL {doc['lease_ttl_s']:g} s; 'ready s': from the kill until both survivors resumed training",
+        f"{'run':<24} {'redone':>6} {'resumed':>8} {'ready s':>8} {'gap s':>6} {'iter s':>7} {'snapshot':>9} {'reward':>7} {'wall s':>7}",
     ]
     for r in doc["demo"]:
+        if "error" in r:
+            lines.append(f"{r['run']:<24} {r['error']}")
+            continue
         lines.append(
-            f"{r['run']:<14} {r.get('iterations_redone', '-')!s:>6} {r.get('resumed_from', '-')!s:>8} "
-            f"{r.get('gap_s', '-')!s:>6} {r['iteration_s_mean']:>7.3f} {r['snapshot_share'] * 100:>8.2f}% "
-            f"{r['reward_last5']:>7.3f} {r['wall_s']:>7.1f}"
+            f"{r['run']:<24} {r.get('iterations_redone', '-')!s:>6} {r.get('resumed_from', '-')!s:>8} "
+            f"{r.get('kill_to_training_s', '-')!s:>8} {r.get('gap_s', '-')!s:>6} {r['iteration_s_mean']:>7.3f} "
+            f"{r['snapshot_share'] * 100:>8.2f}% {r['reward_last5']:>7.3f} {r['wall_s']:>7.1f}"
         )
+    by = {(r.get("backend"), r.get("kill_phase"), r.get("kill_signal")): r for r in doc["demo"]}
+    for (backend, phase, sig), r in by.items():
+        base = by.get(("c10d", phase, sig))
+        if backend == "elasticrl" and phase and base and r.get("kill_to_training_s") and base.get("kill_to_training_s"):
+            lines.append(f"{phase} SIG{sig}: c10d / elasticrl time to training = "
+                         f"{base['kill_to_training_s'] / r['kill_to_training_s']:.1f}x")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state-gb", type=float, default=1.0, help="size of the state dict of the snapshot section, GB (default: %(default)s)")
-    p.add_argument("--phases", default="rollout,update", help="kill phases, comma-separated: rollout, update (default: %(default)s)")
+    p.add_argument("--phases", default="rollout,update", help="SIGKILL phases, comma-separated: rollout, update, boundary (default: %(default)s)")
+    p.add_argument("--no-host-stop", dest="host_stop", action="store_false",
+                   help="skip the silent-host case (SIGSTOP of every process of the node during the update)")
+    p.add_argument("--baseline", choices=["c10d", "none"], default="c10d",
+                   help="the same kills with torchrun's c10d rendezvous, in the same run (default: %(default)s)")
+    p.add_argument("--lease-ttl", type=float, default=5.0, help="coordinator lease, seconds (default: %(default)s)")
     p.add_argument("--iterations", type=int, default=20, help="demo iterations (default: %(default)s)")
     p.add_argument("--kill-at", type=int, default=6, help="iteration during which the node dies (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0, help="limit per demo run, seconds (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="limit per demo run, seconds (default: %(default)s)")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON here (the table then goes to stdout)")
     args = p.parse_args(argv)
     return run_main("bench/recovery.py", args.json_out, lambda tmp, cleanup: run(args, tmp), render, prefix="elasticrl-recovery-")

@@ -81,6 +81,12 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
         "after ITER seals, during its policy update (update) (default: %(default)s)",
     )
     p.add_argument(
+        "--kill-signal", choices=["KILL", "STOP"], default="KILL",
+        help="how the node dies: SIGKILL (its sockets close at once), or SIGSTOP of all its processes, a "
+        "silent host whose sockets stay open until its lease runs out (SIGKILLed once the others are done) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--own-checkpoints", action="store_true",
         help="every node keeps its checkpoints in RUN_DIR/node-K/checkpoints (checkpoint.every_node), as hosts "
         "without a shared filesystem do; a re-formed world resumes from the newest any node holds",
@@ -141,11 +147,18 @@ class Child:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self._kill_seen()
 
-    def _kill_seen(self) -> None:
+    def stop(self) -> None:
+        """SIGSTOP the process group and every descendant seen (a host gone silent: no socket closes)."""
+        self.remember_descendants()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        self._kill_seen(signal.SIGSTOP)
+
+    def _kill_seen(self, sig: int = signal.SIGKILL) -> None:
         for pid, started in self.seen:
             if _start_time(pid) == started:  # still the same process, not a reused pid
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
 
     def terminate(self) -> None:
         """SIGTERM the process group: torchrun then stops its workers, the coordinator shuts down."""
@@ -297,6 +310,11 @@ class Demo:
         self.readers.append(reader)
         return child
 
+    def record_event(self, event: str, **fields) -> None:
+        """One line of LOGS/events.jsonl with the wall-clock time (bench/recovery.py reads it)."""
+        with open(os.path.join(self.logs, "events.jsonl"), "a") as f:
+            f.write(json.dumps({"event": event, "time_unix_s": time.time(), **fields}) + "\n")
+
     def say(self, text: str) -> None:
         with self.echo:
             print(text, flush=True)
@@ -335,16 +353,24 @@ class Demo:
         """Wait for every node to exit; kill one at --kill-at; raise RuntimeError on a timeout or a
         dead coordinator."""
         victim = nodes[-1] if self.args.kill_at and len(nodes) > 1 else None
-        while any(n.proc.poll() is None for n in nodes):
+        silent: Child | None = None  # SIGSTOPped: it never exits on its own
+        while any(n.proc.poll() is None for n in nodes if n is not silent):
             for n in nodes:
-                n.remember_descendants()
+                if n is not silent:
+                    n.remember_descendants()
             when = self._kill_moment(victim) if victim is not None else None
             if when is not None:
+                how = "SIGKILL" if self.args.kill_signal == "KILL" else "SIGSTOP, a silent host"
                 self.say(
-                    f"  -- killing {victim.name} (SIGKILL, agent and worker) {when}; "
+                    f"  -- killing {victim.name} ({how}, agent and worker) {when}; "
                     "the others should re-form without it and resume from the newest snapshot (or checkpoint)"
                 )
-                victim.kill()
+                self.record_event("kill", node=victim.name, signal=f"SIG{self.args.kill_signal}", when=when)
+                if self.args.kill_signal == "STOP":
+                    victim.stop()
+                    silent = victim
+                else:
+                    victim.kill()
                 victim = None
                 continue
             if time.monotonic() > deadline:
@@ -352,6 +378,8 @@ class Demo:
             if coordinator.proc.poll() is not None:
                 raise RuntimeError(f"the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log_path}")
             time.sleep(0.5 if victim is None or self.args.kill_phase == "boundary" else 0.01)
+        if silent is not None:
+            silent.kill()  # the others are done: the silent host goes for good
         for reader in self.readers:  # print every last line before the summary
             reader.join(timeout=5)
 
