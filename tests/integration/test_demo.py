@@ -210,6 +210,36 @@ def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_leave_at_once(tmp_path):
+    """SIGSTOP every process of one of 3 nodes right after iteration 4 seals: no socket closes, so
+    the survivors block in the update's all-reduce and only the lease (2 s) tells. Their agents
+    then SIGTERM workers stuck in C++: the watchdog exits them (after flushing the snapshot)
+    instead of torchrun SIGKILLing them 30 s later, and the world of 2 resumes from iteration 3."""
+    global DEMO_TIMEOUT_S
+    out = tmp_path / "run"
+    saved, DEMO_TIMEOUT_S = DEMO_TIMEOUT_S, 170
+    try:
+        result = run_demo(
+            out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "10", "--kill-at", "4",
+            "--kill-phase", "update", "--kill-signal", "STOP", "--own-checkpoints", "--",
+            "--rollout.slots=2", "--task.prompts_per_iteration=24",
+        )
+    finally:
+        DEMO_TIMEOUT_S = saved
+    assert result.returncode == 0, result.stdout
+    assert "killing node-2 (SIGSTOP, a silent host, agent and worker) right after iteration 4 sealed" in result.stdout
+    assert re.search(r"resumed from iteration 3 \(snapshot of rank \d, node node-[01]\)", result.stdout), result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == list(range(1, 7))  # none redone
+    assert records[-1]["world_size"] == 2
+    logs = "".join((out / "logs" / f"node-{k}.log").read_text() for k in (0, 1))
+    assert "Unable to shutdown process" not in logs  # torchrun never had to SIGKILL a survivor's worker
+    coordinator_log = (out / "logs" / "coordinator.log").read_text()
+    assert re.search(r"member \S+ \(incarnation \d+\) evicted: lease expired", coordinator_log), coordinator_log[-3000:]
+
+
+@pytest.mark.slow
 def test_a_node_without_checkpoints_resumes_from_the_one_another_node_holds(tmp_path):
     """No shared filesystem: only node-1's directory holds a checkpoint; a 2-node world resumes
     from it (broadcast from the rank that holds it), and node-0 ends with its own copy."""
