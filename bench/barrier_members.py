@@ -105,8 +105,7 @@ class CoordinatorMembers:
         for task in self.keepalives:
             task.cancel()
         await asyncio.gather(*self.keepalives, return_exceptions=True)
-        for session in self.sessions:
-            await session.close()
+        await asyncio.gather(*(session.close() for session in self.sessions))
         for client in self.clients:
             await client.close()
 

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-channel", action="store_true", help="one gRPC channel per worker process instead of one per member")
     p.add_argument("--skip-baselines", action="store_true", help="measure only the coordinator")
     p.add_argument("--skip-failure", action="store_true", help="skip the failure-to-release scenario")
+    p.add_argument("--profile", metavar="DIR", help="py-spy the coordinator during each latency measurement: "
+                   "DIR/<case>.speedscope.json, DIR/<case>.top.txt, and the top functions in the JSON (profile{})")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON document here (the table then goes to stdout); default: JSON on stdout, table on stderr")
     return p
 
@@ -423,6 +425,10 @@ def render_table(doc: dict) -> str:
                 f"{'< ' + format(row['goal']['below'], 'g') + ' s':>14} {row['goal']['status']:>4}"
             )
     lines += ["", "Notes:"] + [f"- {note}" for note in doc["notes"]]
+    if doc.get("profile"):
+        for label, top in doc["profile"]["top"].items():
+            first = ", ".join(f"{r['function']} {r['share'] * 100:.0f}%" for r in top["self"][:3])
+            lines.append(f"profile {label}: {first} (self; {doc['profile']['dir']}/{label}.top.txt)")
     return "\n".join(lines)
 
 
@@ -438,6 +444,11 @@ class Bench:
         self.state_root = pathlib.Path(args.state_dir) if args.state_dir else tmp
         self.pool: WorkerPool | None = None
         self._store = None
+        self.profiler = None
+        if args.profile:
+            from bench.profile import Profiler
+
+            self.profiler = Profiler(args.profile)
 
     def coordinator(self, mode: str, label: str, ttl: float) -> CoordinatorProc:
         state = None
@@ -474,9 +485,11 @@ class Bench:
         if impl == "coordinator":
             from elasticrl.coordinator.client import CoordinatorClient
 
-            coord = self.coordinator(mode, f"lat-{mode}-{transport}-{n}-{pattern}", a.latency_ttl)
+            label = f"lat-{mode}-{transport}-{n}-{pattern}"
+            coord = self.coordinator(mode, label, a.latency_ttl)
+            profiling = self.profiler.attach(coord.proc.pid, label) if self.profiler else contextlib.nullcontext()
             try:
-                with CoordinatorClient(coord.address, call_timeout_s=10, reconnect_timeout_s=5) as client:
+                with CoordinatorClient(coord.address, call_timeout_s=10, reconnect_timeout_s=5) as client, profiling:
                     row = measure_latency(
                         self.pool, impl, n, pattern, a.rounds, a.warmup, arrived=lambda name: coordinator_arrived(client, "bench", name),
                         server_cpu=lambda: process_cpu_s(coord.proc.pid), address=coord.address, run_id="bench", lease_ttl_s=a.latency_ttl, shared_channel=a.shared_channel, transport=transport, **common,
@@ -592,6 +605,8 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
             log(f"failure: {impl} ({mode}, {transport}), {trials} trial(s) of {args.failure_members} members, ttl {args.ttl}s")
             doc["failure"].append(bench.failure(impl, mode, trials, transport))
     doc["host"]["loadavg_end"] = os.getloadavg()
+    if bench.profiler is not None:
+        doc["profile"] = {"dir": str(args.profile), "top": bench.profiler.tops}
     return doc
 
 

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ms-configs", default=",".join(MS_CONFIGS), help="comma-separated configurations (default: %(default)s)")
     g.add_argument("--ms-backup-tasks", type=int, default=2, help="backup copies in dynamic-backup (default: %(default)s)")
     g.add_argument("--ms-repeats", type=int, default=3, help="iterations per configuration; the median is reported (default: %(default)s)")
+    p.add_argument("--profile", metavar="DIR", help="py-spy each coordinator over the measured stream repeats: "
+                   "DIR/stream-<mode>.speedscope.json, DIR/stream-<mode>.top.txt, and the top functions in the JSON (profile{})")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON document here (the tables then go to stdout); default: JSON on stdout, tables on stderr")
     return p
 
@@ -222,6 +224,7 @@ class CoordinatorStream:
     def __init__(self, bench: "Bench", mode: str):
         a = self.a = bench.a
         self.mode, self.run, self.rounds = mode, f"stream-{mode}", []
+        self.bench_profiler = bench.profiler
         self.coord = bench.coordinator(self.run, mode)
         self.client = bench.client(self.coord.address)
         spec = dict(member="s0", task_s=0, slots=a.stream_slots, tokens=a.stream_tokens, batch_bytes=a.stream_batch_bytes, linger_s=a.linger_s)
@@ -231,9 +234,12 @@ class CoordinatorStream:
             self.coord.stop()
             raise
         self.worker_pid = self.workers.workers[0].proc.pid
+        self.profiling = None
 
     def round(self, rep: int) -> None:
         a, it = self.a, rep + 1
+        if rep == 1 and self.bench_profiler is not None:  # the measured repeats, not the warm-up
+            self.profiling = self.bench_profiler.attach(self.coord.proc.pid, f"stream-{self.mode}").__enter__()
         cpu0, worker_cpu0 = self.coord.cpu_s(), process_cpu_s(self.worker_pid)
         manifest, t0, t1 = run_iteration(self.client, self.run, it, tasks(f"i{it}-", a.stream_groups, a.stream_samples), a.timeout_s)
         if manifest["tasks_done"] != a.stream_groups:
@@ -244,6 +250,9 @@ class CoordinatorStream:
 
     def result(self) -> dict:
         a = self.a
+        if self.profiling is not None:
+            self.profiling.__exit__(None, None, None)
+            self.profiling = None
         rss, peak = process_rss_mb(self.coord.proc.pid)
         (report,) = self.workers.stop()
         if not report or not report["timed"]:
@@ -280,6 +289,11 @@ class Bench:
     def __init__(self, args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitStack):
         self.a, self.tmp, self.cleanup = args, tmp, cleanup
         self.state_root = pathlib.Path(args.state_dir) if args.state_dir else tmp
+        self.profiler = None
+        if args.profile:
+            from bench.profile import Profiler
+
+            self.profiler = Profiler(args.profile)
 
     def coordinator(self, label: str, mode: str) -> Coordinator:
         state = None
@@ -435,6 +449,10 @@ def render(doc: dict) -> str:
             goal = r["goal"]
             out.append(f"{r['config']:<16} {r['policy']:<8} {w:<10} {r['backup_tasks']:>6} {r['makespan_s']:>10.3f} {r['ratio']:>8.3f} "
                        f"{done:<26} {('<= ' + format(goal['at_most'], 'g') + 'x') if goal else '-':>10} {goal['status'] if goal else '':>4}")
+    if doc.get("profile"):
+        for label, top in doc["profile"]["top"].items():
+            first = ", ".join(f"{r['function']} {r['share'] * 100:.0f}%" for r in top["self"][:3])
+            out.append(f"profile {label}: {first} (self; {doc['profile']['dir']}/{label}.top.txt)")
     return "\n".join(out)
 
 
@@ -468,6 +486,8 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
         log(f"stream: raw grpc.aio and coordinator ({', '.join(args.modes)}) interleaved, "
             f"{args.stream_repeats + 1} x {args.stream_groups} groups each")
         doc["stream"] = bench.stream()
+        if bench.profiler is not None:
+            doc["profile"] = {"dir": str(args.profile), "top": bench.profiler.tops}
     if "makespan" in args.sections:
         doc["makespan"] = []
         coord = bench.coordinator("makespan", "memory")

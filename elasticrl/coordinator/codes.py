@@ -79,6 +79,13 @@ def error_from_status(
     return cls(message)
 
 
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 def is_retryable(err: BaseException) -> bool:
-    """Transport failures worth retrying with backoff: the coordinator may be restarting."""
-    return isinstance(err, grpc.RpcError) and hasattr(err, "code") and err.code() == grpc.StatusCode.UNAVAILABLE
+    """Transport failures worth retrying with backoff: the coordinator may be restarting
+    (UNAVAILABLE), or its transport dropped the call under a storm of new streams (CANCELLED,
+    which our clients never cause on a call they still wait for: they time out, as
+    DEADLINE_EXCEEDED). Safe for every call: each that changes state carries a request id, and
+    the rest are idempotent."""
+    return isinstance(err, grpc.RpcError) and hasattr(err, "code") and err.code() in RETRYABLE

@@ -360,8 +360,29 @@ def write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+def raise_open_files_limit() -> int:
+    """Lift the soft limit on open files to the hard one: every member's connection is a socket,
+    and a cluster of 512 nodes x 8 GPUs opens thousands (the usual soft limit is 1024)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("open files limit stays %d (could not raise it to %d: %s)", soft, target, exc)
+    return soft
+
+
 async def serve(config: CoordinatorConfig) -> None:
     """Run a coordinator until SIGTERM or SIGINT."""
+    limit = raise_open_files_limit()
+    if 0 <= limit < 4096:
+        log.warning("open files limit is %d: fewer than that many members can connect (ulimit -n)", limit)
     server = CoordinatorServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
