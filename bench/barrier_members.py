@@ -57,15 +57,24 @@ class CoordinatorMembers:
         return self.clients[i % len(self.clients)]
 
     async def setup(self) -> None:
-        ttl = self.cfg["lease_ttl_s"]
-        joined = await asyncio.gather(
-            *(self._client(i).join(self.run_id, m, host="bench", lease_ttl_s=ttl) for i, m in enumerate(self.cfg["members"]))
-        )
-        self.refs = [(j.member_id, j.incarnation) for j in joined]
-        if self.cfg.get("transport", "unary") == "session":
-            self.sessions = [self._client(i).session(self.run_id, mid, inc) for i, (mid, inc) in enumerate(self.refs)]
-            await asyncio.gather(*(s.keep_alive() for s in self.sessions))  # opens every stream
-        self.keepalives = [asyncio.create_task(self._keep_alive(i)) for i in range(len(self.refs))]
+        # Each member joins, opens its session and starts renewing at once: with thousands of
+        # members, joining them all first leaves the early ones' leases to lapse before the last
+        # one has joined (a 4096-member storm takes longer than a 5 s TTL on 2 cores).
+        members = self.cfg["members"]
+        self.refs = [("", 0)] * len(members)
+        session = self.cfg.get("transport", "unary") == "session"
+        self.sessions = [None] * len(members) if session else []
+        self.keepalives = [None] * len(members)
+        await asyncio.gather(*(self._join(i, m) for i, m in enumerate(members)))
+
+    async def _join(self, i: int, member: str) -> None:
+        client = self._client(i)
+        j = await client.join(self.run_id, member, host="bench", lease_ttl_s=self.cfg["lease_ttl_s"])
+        self.refs[i] = (j.member_id, j.incarnation)
+        if self.sessions:
+            self.sessions[i] = client.session(self.run_id, j.member_id, j.incarnation)
+            await self.sessions[i].keep_alive()  # opens the stream
+        self.keepalives[i] = asyncio.create_task(self._keep_alive(i))
 
     async def _keep_alive(self, i: int) -> None:
         # Same period as client.Membership (a third of the TTL), phases spread so renewals do not
@@ -102,10 +111,11 @@ class CoordinatorMembers:
         return {"times": [[s, r] for s, r, _ in done], "evicted": sorted(done[0][2].evicted) if done else []}
 
     async def teardown(self) -> None:
-        for task in self.keepalives:
+        tasks = [t for t in self.keepalives if t is not None]  # None: setup failed before it
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.keepalives, return_exceptions=True)
-        await asyncio.gather(*(session.close() for session in self.sessions))
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(session.close() for session in self.sessions if session is not None))
         for client in self.clients:
             await client.close()
 

@@ -178,7 +178,7 @@ class CoordinatorCore(KeyValueOps):
     def _drop_a_finished_run(self, for_run: str) -> None:
         """Make room for ``for_run``: forget the oldest closed run with no live member (its
         members, keys, barriers and rounds; the scheduler its iterations), or refuse."""
-        finished = next((r for r in self.runs.values() if r.closed and not r.live_members()), None)
+        finished = next((r for r in self.runs.values() if r.closed and r.live_count == 0), None)
         if finished is None:
             raise ResourceLimitError(
                 f"run_id: {for_run!r} would be run number {len(self.runs) + 1} on this coordinator "
@@ -272,10 +272,11 @@ class CoordinatorCore(KeyValueOps):
             self.metrics.evictions.inc(run=run_id, reason="replaced")
         run.epoch = epoch
         run.members[member_id] = member
+        run.live_count += 1
         self.metrics.joins.inc(run=run_id)
         log.info(
             "run %s: member %s joined (incarnation %d, host %s, weight %g) -> epoch %d, %d live",
-            run_id, member_id, incarnation, host or "?", weight, epoch, len(run.live_members()),
+            run_id, member_id, incarnation, host or "?", weight, epoch, run.live_count,
         )
         self._emit(run, Event("joined", member, epoch, ""))
         self._after_membership_change(run)
@@ -330,10 +331,12 @@ class CoordinatorCore(KeyValueOps):
         self._after_membership_change(run)
 
     def _mark_gone(self, run: Run, m: Member, status: MemberStatus, reason: str) -> None:
+        if m.live:
+            run.live_count -= 1
         m.status, m.reason = status, reason
         log.info(
             "run %s: member %s (incarnation %d) %s: %s -> epoch %d, %d live",
-            run.run_id, m.member_id, m.incarnation, status.value, reason, run.epoch, len(run.live_members()),
+            run.run_id, m.member_id, m.incarnation, status.value, reason, run.epoch, run.live_count,
         )
         kind = "left" if status is MemberStatus.LEFT else "evicted"
         self._emit(run, Event(kind, m, run.epoch, reason))

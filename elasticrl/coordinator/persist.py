@@ -208,6 +208,8 @@ class StateDB:
                 status=MemberStatus(status),
                 reason=reason,
             )
+        for run in runs.values():
+            run.live_count = len(run.live_members())
         for run_id, key, value in self._conn.execute("SELECT * FROM kv"):
             run = runs[run_id]
             run.kv[bytes(key)] = bytes(value)

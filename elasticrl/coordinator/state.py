@@ -136,6 +136,9 @@ class Run:
     kv: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
     kv_bytes: int = 0
     rendezvous: Rendezvous = dataclasses.field(default_factory=Rendezvous)
+    # len(live_members()), kept up to date by the core on every join and departure (and counted
+    # once at load): counting on each change made a join storm of N members cost O(N^2).
+    live_count: int = 0
 
     def live_members(self) -> dict[str, Member]:
         return {m.member_id: m for m in self.members.values() if m.live}

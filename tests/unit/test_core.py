@@ -303,3 +303,30 @@ def test_a_member_with_another_open_stream_is_not_evicted(clock):
     clock.now += 1.0
     core.tick()
     assert core.runs["r"].is_live("a", a.incarnation)
+
+
+def test_the_live_count_follows_joins_rejoins_leaves_evictions_and_a_restart(clock, tmp_path):
+    """``Run.live_count`` is kept up to date per change (counting per join made a join storm
+    O(N^2)); it must always equal the live members, also after reloading the state."""
+    path = str(tmp_path / "state.sqlite")
+    core = CoordinatorCore(StateDB(path), lease_ttl_s=1.0, clock=clock)
+
+    def check(expected: int) -> None:
+        run_ = core.runs["r"]
+        assert run_.live_count == len(run_.live_members()) == expected
+
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    c, _ = core.join("r", "c")
+    check(3)
+    a, _ = core.join("r", "a")  # a restarted: its old incarnation is replaced, not added
+    check(3)
+    core.leave("r", "b", b.incarnation)
+    check(2)
+    advance(core, clock, 1.5, a)  # c's lease lapses
+    check(1)
+    core.join("r", "b")
+    check(2)
+    core.db.close()
+    reloaded = CoordinatorCore(StateDB(path), lease_ttl_s=1.0, clock=clock)
+    assert reloaded.runs["r"].live_count == len(reloaded.runs["r"].live_members()) == 2
