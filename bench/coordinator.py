@@ -446,7 +446,7 @@ class Bench:
         self._store = None
         self.profiler = None
         if args.profile:
-            from bench.profile import Profiler
+            from bench.profiling import Profiler
 
             self.profiler = Profiler(args.profile)
 

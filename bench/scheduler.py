@@ -291,7 +291,7 @@ class Bench:
         self.state_root = pathlib.Path(args.state_dir) if args.state_dir else tmp
         self.profiler = None
         if args.profile:
-            from bench.profile import Profiler
+            from bench.profiling import Profiler
 
             self.profiler = Profiler(args.profile)
 

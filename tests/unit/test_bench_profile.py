@@ -3,7 +3,7 @@ the line number dropped so one function is one row."""
 
 from __future__ import annotations
 
-from bench.profile import render_top, top_functions
+from bench.profiling import render_top, top_functions
 
 COLLAPSED = """\
 main (server.py:10);serve (service.py:20);accept (core.py:30) 6
