@@ -7,9 +7,11 @@ Two sections, one run:
   host memory (``/dev/shm``, the same files as a checkpoint), each in GB/s.
 * ``demo``: ``elasticrl run`` of the bundled demo with 3 nodes (lease ``--lease-ttl``, 5 s), once
   undisturbed, then per ``--phases`` entry with the last node SIGKILLed (agent and worker) during
-  that phase of iteration ``--kill-at``, and once with that node gone silent (SIGSTOP of all its
-  processes during the update: no socket closes, only its lease tells). Each kill runs again with
-  torchrun's c10d rendezvous (``--baseline``), in the same run. Reported: iterations redone
+  that phase of iteration ``--kill-at`` (rollout, update, or checkpoint: while a checkpoint is
+  being written, with one per iteration on every node), and once with that node gone silent
+  (SIGSTOP of all its processes during the update: no socket closes, only its lease tells). The
+  ``--baseline-phases`` kills and the silent host run again with torchrun's c10d rendezvous
+  (``--baseline``), in the same run. Reported: iterations redone
   (records of an iteration beyond its first, plus iterations finished before the kill that the
   resumed world ran again), ``ready s``: seconds from the kill until both survivors resumed
   training (their workers' "resumed from iteration" log line), the gap in records around the
@@ -74,6 +76,8 @@ def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
            "--rdzv-backend", case["backend"], "--timeout", str(args.timeout)]
     if phase:
         cmd += ["--kill-at", str(args.kill_at), "--kill-phase", phase, "--kill-signal", case["signal"]]
+    if phase == "checkpoint":  # a checkpoint every iteration, each node its own, to strike during one
+        cmd += ["--checkpoint-every", "1", "--own-checkpoints"]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout + 60)
@@ -137,7 +141,7 @@ def kill_to_training(logs: pathlib.Path) -> float | None:
 def cases(args) -> list[dict]:
     out = [{"label": "undisturbed", "backend": "elasticrl"}]
     for backend in ["elasticrl"] + ([args.baseline] if args.baseline != "none" else []):
-        for phase in args.phases.split(","):
+        for phase in (args.phases if backend == "elasticrl" else args.baseline_phases).split(","):
             out.append({"label": f"{backend}-kill-{phase}", "backend": backend, "phase": phase, "signal": "KILL"})
         if args.host_stop:
             out.append({"label": f"{backend}-stop-update", "backend": backend, "phase": "update", "signal": "STOP"})
@@ -181,7 +185,9 @@ def render(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state-gb", type=float, default=1.0, help="size of the state dict of the snapshot section, GB (default: %(default)s)")
-    p.add_argument("--phases", default="rollout,update", help="SIGKILL phases, comma-separated: rollout, update, boundary (default: %(default)s)")
+    p.add_argument("--phases", default="rollout,update,checkpoint",
+                   help="SIGKILL phases, comma-separated: rollout, update, checkpoint, boundary (default: %(default)s)")
+    p.add_argument("--baseline-phases", default="update", help="SIGKILL phases of the baseline runs (default: %(default)s)")
     p.add_argument("--no-host-stop", dest="host_stop", action="store_false",
                    help="skip the silent-host case (SIGSTOP of every process of the node during the update)")
     p.add_argument("--baseline", choices=["c10d", "none"], default="c10d",

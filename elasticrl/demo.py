@@ -75,10 +75,12 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
         "others re-form and resume from the newest snapshot (or checkpoint); 0 never (default: %(default)s)",
     )
     p.add_argument(
-        "--kill-phase", choices=["boundary", "rollout", "update"], default="boundary",
+        "--kill-phase", choices=["boundary", "rollout", "update", "checkpoint"], default="boundary",
         help="when --kill-at strikes: after iteration ITER is reported (boundary), during the rollout of "
-        "ITER (or the first later one) once the node has delivered some of its groups (rollout), or right "
-        "after ITER seals, during its policy update (update) (default: %(default)s)",
+        "ITER (or the first later one) once the node has delivered some of its groups (rollout), right "
+        "after ITER seals, during its policy update (update), or while a checkpoint of ITER or later is "
+        "being written (checkpoint: the node's own with --own-checkpoints, else RUN_DIR/checkpoints) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--kill-signal", choices=["KILL", "STOP"], default="KILL",
@@ -326,6 +328,8 @@ class Demo:
             if self.reported and self.reported[-1] >= a.kill_at:
                 return f"after iteration {self.reported[-1]}"
             return None
+        if a.kill_phase == "checkpoint":
+            return self._writing_checkpoint(victim)
         if self.scheduler is None:
             from elasticrl.scheduler.client import SchedulerClient
 
@@ -347,6 +351,20 @@ class Demo:
         if by_victim > 0 and m["tasks_done"] < m["tasks_total"]:
             return (f"during the rollout of iteration {target} ({m['tasks_done']}/{m['tasks_total']} groups done, "
                     f"{by_victim} by {victim.name})")
+        return None
+
+    def _writing_checkpoint(self, victim: Child) -> str | None:
+        """A checkpoint of iteration >= --kill-at is being written (its temporary directory exists)."""
+        k = int(victim.name.rsplit("-", 1)[1])
+        where = os.path.join(self.node_dir(k) if self.args.own_checkpoints else self.run_dir, "checkpoints")
+        try:
+            names = os.listdir(where)
+        except OSError:
+            return None
+        for name in names:
+            m = re.match(r"\.tmp-iter-(\d+)-", name)
+            if m and int(m.group(1)) >= self.args.kill_at:
+                return f"while the checkpoint of iteration {int(m.group(1))} was being written"
         return None
 
     def watch(self, coordinator: Child, nodes: list[Child], deadline: float) -> None:

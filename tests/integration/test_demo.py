@@ -240,6 +240,31 @@ def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_lea
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_node_killed_while_writing_its_checkpoint_loses_nothing(tmp_path):
+    """SIGKILL one of 3 nodes while it writes its own checkpoint (one per iteration, each node its
+    own directory): its half-written directory is its own business; the survivors resume from the
+    iteration that was being checkpointed (it had finished), and none is redone."""
+    global DEMO_TIMEOUT_S
+    out = tmp_path / "run"
+    saved, DEMO_TIMEOUT_S = DEMO_TIMEOUT_S, 170
+    try:
+        result = run_demo(out, "--nodes", "3", "--iterations", "8", "--checkpoint-every", "1", "--kill-at", "4",
+                          "--kill-phase", "checkpoint", "--own-checkpoints")
+    finally:
+        DEMO_TIMEOUT_S = saved
+    assert result.returncode == 0, result.stdout
+    found = re.search(r"killing node-2 \(SIGKILL, agent and worker\) while the checkpoint of iteration (\d) was being written",
+                      result.stdout)
+    assert found, result.stdout
+    c = int(found.group(1))
+    assert re.search(rf"resumed from iteration {c} \((snapshot|checkpoint) of rank \d, node node-[01]\)", result.stdout), result.stdout
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == list(range(1, 9))  # none redone
+    assert records[-1]["world_size"] == 2
+
+
+@pytest.mark.slow
 def test_a_node_without_checkpoints_resumes_from_the_one_another_node_holds(tmp_path):
     """No shared filesystem: only node-1's directory holds a checkpoint; a 2-node world resumes
     from it (broadcast from the rank that holds it), and node-0 ends with its own copy."""

@@ -1,4 +1,4 @@
-"""bench/profile.py's summary of py-spy's collapsed stacks: self and total shares per function,
+"""bench/profiling.py's summary of py-spy's collapsed stacks: self and total shares per function,
 the line number dropped so one function is one row."""
 
 from __future__ import annotations
