@@ -24,14 +24,14 @@ def coordinator_command(
     port: int = 0,
     lease_ttl_s: float | None = None,
     state_dir: str | os.PathLike | None = None,
-    extra_args: tuple[str, ...] | list[str] = (),
+    extra_args: tuple[str, ...] | list[str] | None = (),
 ) -> list[str]:
     cmd = [sys.executable, "-m", "elasticrl", "coordinator", "--port", str(port), "--port-file", str(port_file)]
     if lease_ttl_s is not None:
         cmd += ["--lease-ttl", str(lease_ttl_s)]
     if state_dir is not None:
         cmd += ["--state-dir", str(state_dir)]
-    return cmd + list(extra_args)
+    return cmd + list(extra_args or ())
 
 
 def wait_for_port(

@@ -1,0 +1,39 @@
+"""The bench scripts still run end to end, at a toy size: a broken bench is found by the tests,
+not by the next person who measures. Their numbers are not checked here (speed goals live in the
+benches themselves)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def bench(script: str, tmp_path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--json-out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_scheduler_bench_streams_at_a_toy_size(tmp_path):
+    doc = bench("scheduler.py", tmp_path, "--sections", "stream", "--stream-groups", "8", "--stream-samples", "2",
+                "--stream-tokens", "64", "--stream-repeats", "1")
+    rows = {(r["path"], r["state"]) for r in doc["stream"]}
+    assert rows == {("raw grpc.aio", "-"), ("coordinator", "memory"), ("coordinator", "durable")}, doc["stream"]
+    assert all(r["mb_per_s"] > 0 for r in doc["stream"])
+
+
+def test_the_coordinator_bench_measures_a_barrier_at_a_toy_size(tmp_path):
+    doc = bench("coordinator.py", tmp_path, "--members", "8", "--rounds", "2", "--warmup", "1", "--transports", "session",
+                "--modes", "memory", "--patterns", "burst", "--skip-baselines", "--skip-failure", "--workers", "2")
+    (row,) = doc["latency"]
+    assert row["members"] == 8 and row["p50_ms"] > 0, row
