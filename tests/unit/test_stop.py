@@ -22,11 +22,13 @@ SCRIPT = textwrap.dedent('''
     if sys.argv[2] == "store":
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        print("ready", flush=True)
+        # "ready" once the main thread is inside the wait, not just before it
+        import threading
+        threading.Timer(0.5, lambda: print("ready", flush=True)).start()
         store.wait(["never"], datetime.timedelta(seconds=50))  # C++, deaf to Python's handlers
     else:
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)  # inside the try: the SIGTERM may come right after it
             while True:
                 time.sleep(0.05)
         except SystemExit:
