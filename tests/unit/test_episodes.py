@@ -226,7 +226,10 @@ def test_closing_the_runner_ends_a_play_in_progress_instead_of_leaving_its_threa
     outcome: list = []
     player = threading.Thread(target=lambda: outcome.append(_play_or_error(r)), daemon=True)
     player.start()
-    time.sleep(0.5)  # in the middle of its episodes
+    deadline = time.monotonic() + 10
+    while Flaky.steps < 1 and time.monotonic() < deadline:  # in the middle of its episodes
+        time.sleep(0.01)
+    assert Flaky.steps >= 1, "the episodes never started"
     t0 = time.monotonic()
     r.close(timeout_s=5)
     player.join(timeout=5)
