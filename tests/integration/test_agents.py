@@ -12,7 +12,6 @@ import re
 import pytest
 
 from tests.conftest import REPO
-from tests.integration import test_demo
 from tests.integration.test_demo import metrics, run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -21,11 +20,7 @@ AGENT_DEMO = str(REPO / "examples" / "configs" / "agent-demo.toml")
 
 
 def run(out, *args: str, timeout_s: float = 150):
-    saved, test_demo.DEMO_TIMEOUT_S = test_demo.DEMO_TIMEOUT_S, timeout_s
-    try:
-        return run_demo(out, *args)
-    finally:
-        test_demo.DEMO_TIMEOUT_S = saved
+    return run_demo(out, *args, timeout_s=timeout_s)
 
 
 def mean(records, key, default=0.0):

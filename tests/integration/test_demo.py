@@ -25,11 +25,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 DEMO_TIMEOUT_S = 85
 
 
-def run_demo(out, *args: str) -> subprocess.CompletedProcess:
+def run_demo(out, *args: str, timeout_s: float = DEMO_TIMEOUT_S) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "elasticrl.demo", "--out", str(out), "--lease-ttl", "2", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        stdout, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
+        stdout, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the demo stops everything it started
         try:
@@ -37,7 +37,7 @@ def run_demo(out, *args: str) -> subprocess.CompletedProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, _ = proc.communicate()
-        pytest.fail(f"demo did not finish within {DEMO_TIMEOUT_S}s:\n{stdout}")
+        pytest.fail(f"demo did not finish within {timeout_s}s:\n{stdout}")
     finally:
         leftovers = processes_mentioning(str(out))
         for pid in leftovers:
@@ -162,17 +162,13 @@ def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path
     last checkpoint loads back with its optimizer state."""
     from elasticrl.train.checkpoint import load_checkpoint
 
-    global DEMO_TIMEOUT_S
     out = tmp_path / "run"
-    saved, DEMO_TIMEOUT_S = DEMO_TIMEOUT_S, 170
-    try:
-        result = run_demo(
-            out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "2", "--kill-at", "4",
-            "--kill-phase", phase, "--own-checkpoints", "--", "--rollout.slots=2", "--task.prompts_per_iteration=24",
-            f"--trainer.strategy={strategy}",  # ZeRO-2: the world of 2 reloads the state the world of 3 sharded
-        )
-    finally:
-        DEMO_TIMEOUT_S = saved
+    result = run_demo(
+        out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "2", "--kill-at", "4",
+        "--kill-phase", phase, "--own-checkpoints", "--", "--rollout.slots=2", "--task.prompts_per_iteration=24",
+        f"--trainer.strategy={strategy}",  # ZeRO-2: the world of 2 reloads the state the world of 3 sharded
+        timeout_s=170,
+    )
     assert result.returncode == 0, result.stdout
     # The rollout kill waits until the victim delivered a group; if iteration 4 sealed before
     # that, it strikes in iteration 5 (which then resumes from 4).
@@ -216,17 +212,12 @@ def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_lea
     the survivors block in the update's all-reduce and only the lease (2 s) tells. Their agents
     then SIGTERM workers stuck in C++: the watchdog exits them (after flushing the snapshot)
     instead of torchrun SIGKILLing them 30 s later, and the world of 2 resumes from iteration 3."""
-    global DEMO_TIMEOUT_S
     out = tmp_path / "run"
-    saved, DEMO_TIMEOUT_S = DEMO_TIMEOUT_S, 170
-    try:
-        result = run_demo(
-            out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "10", "--kill-at", "4",
-            "--kill-phase", "update", "--kill-signal", "STOP", "--own-checkpoints", "--",
-            "--rollout.slots=2", "--task.prompts_per_iteration=24",
-        )
-    finally:
-        DEMO_TIMEOUT_S = saved
+    result = run_demo(
+        out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "10", "--kill-at", "4",
+        "--kill-phase", "update", "--kill-signal", "STOP", "--own-checkpoints", "--",
+        "--rollout.slots=2", "--task.prompts_per_iteration=24", timeout_s=170,
+    )
     assert result.returncode == 0, result.stdout
     assert "killing node-2 (SIGSTOP, a silent host, agent and worker) right after iteration 4 sealed" in result.stdout
     assert re.search(r"resumed from iteration 3 \(snapshot of rank \d, node node-[01]\)", result.stdout), result.stdout
@@ -245,14 +236,9 @@ def test_a_node_killed_while_writing_its_checkpoint_loses_nothing(tmp_path):
     """SIGKILL one of 3 nodes while it writes its own checkpoint (one per iteration, each node its
     own directory): its half-written directory is its own business; the survivors resume from the
     iteration that was being checkpointed (it had finished), and none is redone."""
-    global DEMO_TIMEOUT_S
     out = tmp_path / "run"
-    saved, DEMO_TIMEOUT_S = DEMO_TIMEOUT_S, 170
-    try:
-        result = run_demo(out, "--nodes", "3", "--iterations", "8", "--checkpoint-every", "1", "--kill-at", "4",
-                          "--kill-phase", "checkpoint", "--own-checkpoints")
-    finally:
-        DEMO_TIMEOUT_S = saved
+    result = run_demo(out, "--nodes", "3", "--iterations", "8", "--checkpoint-every", "1", "--kill-at", "4",
+                      "--kill-phase", "checkpoint", "--own-checkpoints", timeout_s=170)
     assert result.returncode == 0, result.stdout
     found = re.search(r"killing node-2 \(SIGKILL, agent and worker\) while the checkpoint of iteration (\d) was being written",
                       result.stdout)
