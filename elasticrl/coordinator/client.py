@@ -26,7 +26,7 @@ import tenacity
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
-from elasticrl.coordinator.state import BarrierResult, RoundResult
+from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S, BarrierResult, RoundResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import (
     CoordinatorTimeoutError,
@@ -342,7 +342,7 @@ class CoordinatorClient:
         last_call_s: float,
         join_timeout_s: float,
         after_round: int,
-        rejoin_timeout_s: float = 30.0,
+        rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S,
         wait_s: float = MAX_WAIT_CHUNK_S,
     ) -> RoundResult:
         """One bounded wait for a round newer than ``after_round``; status "waiting" means call again."""
@@ -356,7 +356,7 @@ class CoordinatorClient:
                     max_nodes=max_nodes,
                     last_call_ms=max(1, int(last_call_s * 1000)),
                     join_timeout_ms=max(1, int(join_timeout_s * 1000)),
-                    rejoin_timeout_ms=max(1, int(rejoin_timeout_s * 1000)) if rejoin_timeout_s > 0 else -1,
+                    rejoin_timeout_ms=wire.rejoin_timeout_ms(rejoin_timeout_s),
                 ),
                 after_round=after_round,
                 wait_ms=max(1, int(wait_s * 1000)),

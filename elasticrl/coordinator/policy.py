@@ -140,7 +140,7 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
         started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
         last_call_over = now >= started + cfg.last_call_s
         held = [m for m in prev_live if m not in ids]
-        hold_over = now >= started + max(cfg.last_call_s, cfg.rejoin_timeout_s if rdzv.round > 0 else 0.0)
+        hold_over = now >= started + max(cfg.last_call_s, cfg.rejoin_timeout_s)  # held is empty in round 0
         if n >= cfg.max_nodes:
             # A standby newcomer must not take the slot of a live participant of the previous
             # round that is still restarting: hold the slots until it rejoins or the hold ends.

@@ -18,10 +18,12 @@ from google.protobuf.message import DecodeError
 from elasticrl import __version__
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
-from elasticrl.coordinator import codes, validate as v
+from elasticrl.coordinator import codes, validate as v, wire
 from elasticrl.coordinator.core import CoordinatorCore, Event
 from elasticrl.coordinator.replies import request_id
-from elasticrl.coordinator.state import Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy
+from elasticrl.coordinator.state import (
+    DEFAULT_REJOIN_TIMEOUT_S, Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy,
+)
 from elasticrl.errors import ElasticRLError, InternalError, InvalidRequestError, ResourceLimitError
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 DEFAULT_LAST_CALL_S = 2.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
-DEFAULT_REJOIN_TIMEOUT_S = 30.0
 WATCH_HEARTBEAT_S = 15.0
 # A Session stream's responses not yet taken by gRPC: past this many, the stream's requests are not
 # read until there is room, so a client that does not read its responses holds the coordinator's
@@ -148,7 +149,7 @@ def run_snapshot(core: CoordinatorCore, run: Run) -> pb.RunSnapshot:
                 max_nodes=cfg.max_nodes,
                 last_call_ms=int(cfg.last_call_s * 1000),
                 join_timeout_ms=int(cfg.join_timeout_s * 1000),
-                rejoin_timeout_ms=int(cfg.rejoin_timeout_s * 1000) if cfg.rejoin_timeout_s > 0 else -1,
+                rejoin_timeout_ms=wire.rejoin_timeout_ms(cfg.rejoin_timeout_s),
             ),
         ),
     )

@@ -76,13 +76,18 @@ class Barrier:
         return self.opened_at + self.timeout_s
 
 
+DEFAULT_REJOIN_TIMEOUT_S = 30.0
+"""How long a re-form holds for live agents of the previous round (``RoundConfig.rejoin_timeout_s``):
+torchrun's wait between SIGTERM and SIGKILL of a worker."""
+
+
 @dataclasses.dataclass
 class RoundConfig:
     min_nodes: int
     max_nodes: int
     last_call_s: float
     join_timeout_s: float
-    rejoin_timeout_s: float = 30.0
+    rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     """A re-form holds this long after min_nodes joined for the previous round's live participants."""
 
 

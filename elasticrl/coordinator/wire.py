@@ -93,6 +93,12 @@ async def stream_requests(outbox: asyncio.Queue):
         yield request
 
 
+def rejoin_timeout_ms(seconds: float) -> int:
+    """``RoundConfig.rejoin_timeout_ms`` for ``seconds``: 0 (do not hold) goes as -1, because 0 on
+    the wire means the default."""
+    return max(1, int(seconds * 1000)) if seconds > 0 else -1
+
+
 def join_request(run_id, member_id, *, host, weight, capabilities, lease_ttl_s) -> pb.JoinRequest:
     return pb.JoinRequest(
         run_id=run_id,

@@ -14,6 +14,7 @@ import re
 import socket
 
 from elasticrl.coordinator import validate
+from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class RendezvousConfig:
     """After ``min_nodes`` joined a round, wait this long for more before completing it, seconds."""
     join_timeout_s: float = 600.0
     """A round that has not reached ``min_nodes`` this long after it opened fails, seconds."""
-    rejoin_timeout_s: float = 30.0
+    rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     """After a failure, hold the new round this long (past the last call) for the previous round's
     agents that are alive but still stopping their workers, seconds; 0 does not hold. The default
     matches torchrun's wait between SIGTERM and SIGKILL of a worker."""
