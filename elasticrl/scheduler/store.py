@@ -73,7 +73,7 @@ class TrajectoryStore:
             return name
         directory = self.iteration_dir(run_id, iteration)
         _make_dirs(directory, fsync=self.fsync)
-        _atomic_write(directory / name, shard_chunks(run_id, iteration, groups), fsync=self.fsync)
+        atomic_write(directory / name, shard_chunks(run_id, iteration, groups), fsync=self.fsync)
         return name
 
     def _first_free(self, run_id: str, iteration: int) -> int:
@@ -137,16 +137,18 @@ class TrajectoryStore:
             return
         directory = self.iteration_dir(run_id, iteration)
         _make_dirs(directory, fsync=self.fsync)
-        _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode(), fsync=self.fsync)
+        atomic_write(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode(), fsync=self.fsync)
 
 
-def _atomic_write(path: pathlib.Path, data: bytes | list, *, fsync: bool) -> None:
+def atomic_write(path: pathlib.Path, data: bytes | memoryview | list, *, fsync: bool) -> None:
+    """Write ``data`` (bytes, or a list of chunks) to ``path`` under a temporary name, then rename
+    it (the weight store uses it too)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        if isinstance(data, bytes):
-            f.write(data)
-        else:
+        if isinstance(data, list):
             f.writelines(data)
+        else:
+            f.write(data)
         if fsync:
             f.flush()
             os.fsync(f.fileno())

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.signals import Signals
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
-from elasticrl.scheduler.store import fsync_dir
+from elasticrl.scheduler.store import atomic_write, fsync_dir
 
 if TYPE_CHECKING:
     import torch
@@ -395,7 +395,7 @@ class WeightStore:
         if self.root is not None:
             meta = {"version": blob.version, "sha256": blob.sha256, "format": blob.format,
                     "total_bytes": blob.total_bytes, "file": name}
-            _atomic_write(directory / CURRENT, json.dumps(meta, indent=2, sort_keys=True).encode(), fsync=self.fsync)
+            atomic_write(directory / CURRENT, json.dumps(meta, indent=2, sort_keys=True).encode(), fsync=self.fsync)
         return dataclasses.replace(blob, path=directory / name)
 
     def _remove_older(self, blob: WeightBlob) -> None:
@@ -432,18 +432,6 @@ class WeightStore:
                 if old.name != meta["file"]:
                     old.unlink(missing_ok=True)
             log.info("weights of run %s: version %d loaded from disk (%d bytes)", blob.run_id, blob.version, blob.total_bytes)
-
-
-def _atomic_write(path: pathlib.Path, data: bytes | memoryview, *, fsync: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:  # make the rename itself durable
-        fsync_dir(path.parent)
 
 
 def _sha256_of(f: BinaryIO) -> str:
