@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-baselines", action="store_true", help="measure only the coordinator")
     p.add_argument("--skip-failure", action="store_true", help="skip the failure-to-release scenario")
     p.add_argument("--profile", metavar="DIR", help="py-spy the coordinator during each latency measurement: "
-                   "DIR/<case>.speedscope.json, DIR/<case>.top.txt, and the top functions in the JSON (profile{})")
+                   "DIR/<case>.collapsed.txt (speedscope opens it), DIR/<case>.top.txt, and the top functions in the JSON (profile{})")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON document here (the table then goes to stdout); default: JSON on stdout, table on stderr")
     return p
 

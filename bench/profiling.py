@@ -1,8 +1,8 @@
 """``--profile`` of the bench scripts: py-spy samples the coordinator process while it is measured.
 
 ``Profiler(out_dir)`` attaches ``py-spy record`` to a pid for as long as the ``with`` block runs and
-writes, next to the bench's JSON, ``<label>.speedscope.json`` (open it at https://www.speedscope.app)
-and ``<label>.top.txt``: the functions with the most samples, self (the frame on top) and total (the
+writes ``<label>.collapsed.txt`` (py-spy's collapsed stacks: open it at https://www.speedscope.app,
+or feed it to flamegraph.pl) and ``<label>.top.txt``: the functions with the most samples, self (the frame on top) and total (the
 frame anywhere on the stack), from py-spy's collapsed stacks. ``summary()`` gives the same tops as
 JSON for the bench's document. py-spy needs ptrace rights on the pid (root, or
 ``kernel.yama.ptrace_scope=0``); where it is missing the bench stops with the install command.
@@ -48,31 +48,29 @@ class _Recording:
     def __init__(self, profiler: Profiler, pid: int, label: str):
         self.profiler, self.pid, self.label = profiler, pid, label
         self.raw = profiler.out_dir / f"{label}.collapsed.txt"
-        self.procs: list[subprocess.Popen] = []
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "_Recording":
         p = self.profiler
-        for fmt, path in (("raw", self.raw), ("speedscope", p.out_dir / f"{self.label}.speedscope.json")):
-            self.procs.append(subprocess.Popen(
-                [p.exe, "record", "--pid", str(self.pid), "--rate", str(p.rate_hz), "--format", fmt,
-                 "--output", str(path), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            ))
+        # One sampler: a second one (for another output format) would double the load on the
+        # process measured; speedscope reads the collapsed stacks as they are.
+        self.proc = subprocess.Popen(
+            [p.exe, "record", "--pid", str(self.pid), "--rate", str(p.rate_hz), "--format", "raw",
+             "--output", str(self.raw), "--nonblocking"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
         time.sleep(0.5)  # attached before the measured work starts
-        for proc in self.procs:
-            if proc.poll() is not None:
-                raise BenchError(f"py-spy could not attach to pid {self.pid}: {proc.stderr.read().strip()}")
+        if self.proc.poll() is not None:
+            raise BenchError(f"py-spy could not attach to pid {self.pid}: {self.proc.stderr.read().strip()}")
         return self
 
     def __exit__(self, *exc) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         if self.raw.exists():
             top = top_functions(self.raw.read_text())
             self.profiler.tops[self.label] = top

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ms-backup-tasks", type=int, default=2, help="backup copies in dynamic-backup (default: %(default)s)")
     g.add_argument("--ms-repeats", type=int, default=3, help="iterations per configuration; the median is reported (default: %(default)s)")
     p.add_argument("--profile", metavar="DIR", help="py-spy each coordinator over the measured stream repeats: "
-                   "DIR/stream-<mode>.speedscope.json, DIR/stream-<mode>.top.txt, and the top functions in the JSON (profile{})")
+                   "DIR/stream-<mode>.collapsed.txt (speedscope opens it), DIR/stream-<mode>.top.txt, and the top functions in the JSON (profile{})")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON document here (the tables then go to stdout); default: JSON on stdout, tables on stderr")
     return p
 
