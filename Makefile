@@ -42,6 +42,7 @@ bench: venv
 	$(PY) bench/rendezvous.py
 	$(PY) bench/scheduler.py
 	$(PY) bench/episodes.py
+	$(PY) bench/async.py
 	$(PY) bench/soak.py
 	$(PY) bench/recovery.py
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node=2 bench/collectives.py --op all

@@ -55,6 +55,11 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
     )
     p.add_argument("--config", default=BUNDLED_CONFIG, metavar="FILE", help="node config, TOML (default: the bundled demo.toml)")
     p.add_argument("--nodes", type=int, default=2, help="torchrun agents (simulated nodes), one worker each (default: %(default)s)")
+    p.add_argument(
+        "--rollout-workers", type=int, default=0, metavar="N",
+        help="also start N rollout-only workers (elasticrl rollout) that draw groups with the weights the trainer "
+        "publishes, e.g. with -- --rollout.max_staleness=1 (default: %(default)s)",
+    )
     p.add_argument("--iterations", type=int, help="RL iterations (default: the config's run.iterations)")
     p.add_argument("--task", choices=sorted(TASKS), help="toy task (default: the config's task.name)")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N iterations (default: the config's)")
@@ -312,6 +317,16 @@ class Demo:
         self.readers.append(reader)
         return child
 
+    def start_rollout_worker(self, k: int, address: str, node_args: list[str]) -> Child:
+        """One ``elasticrl rollout`` worker in the run (it exits 0 when training closes the run)."""
+        cmd = [
+            sys.executable, "-m", "elasticrl.cli", "rollout", "--coordinator", address, "--config", os.path.abspath(self.args.config),
+            "--run-id", self.run_id, "--member-id", f"rollout-{k}", f"--run.run_dir={self.run_dir}", *node_args,
+        ]
+        child = _spawn(f"rollout-{k}", cmd, os.path.join(self.logs, f"rollout-{k}.log"), self.env, pipe=False)
+        self.children.append(child)
+        return child
+
     def record_event(self, event: str, **fields) -> None:
         """One line of LOGS/events.jsonl with the wall-clock time (bench/recovery.py reads it)."""
         with open(os.path.join(self.logs, "events.jsonl"), "a") as f:
@@ -421,6 +436,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error(f"--nodes: {args.nodes} must be at least 1")
+    if args.rollout_workers < 0:
+        parser.error(f"--rollout-workers: {args.rollout_workers} must be >= 0")
     node_args = node_overrides(args)
     try:  # checked here, before any process starts, with the same parser the nodes use
         config = cfgmod.load_config(args.config, cfgmod.parse_overrides(node_args))
@@ -480,6 +497,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         for k in range(args.nodes):
             nodes.append(demo.start_node(k, rdzv_endpoint, node_args))
             print(f"  node-{k}       torchrun pid {nodes[-1].proc.pid}, log {nodes[-1].log_path}")
+        for k in range(args.rollout_workers):
+            worker = demo.start_rollout_worker(k, address, node_args)
+            print(f"  rollout-{k}    elasticrl rollout pid {worker.proc.pid}, log {worker.log_path}")
         demo.say("starting (the first iteration waits for every node to import torch and meet) ...")
         demo.watch(coordinator, nodes, deadline=started + args.timeout)
         return _summarize(

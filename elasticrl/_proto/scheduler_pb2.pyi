@@ -407,3 +407,65 @@ class FetchWeightsRequest(_message.Message):
     have_version: int
     wait_s: float
     def __init__(self, run_id: _Optional[str] = ..., have_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class AnnounceWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "version", "total_bytes", "sha256", "format", "member_id", "address", "complete")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    total_bytes: int
+    sha256: str
+    format: str
+    member_id: str
+    address: str
+    complete: bool
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., format: _Optional[str] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class AnnounceWeightsReply(_message.Message):
+    __slots__ = ("newest_version",)
+    NEWEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    newest_version: int
+    def __init__(self, newest_version: _Optional[int] = ...) -> None: ...
+
+class LocateWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "member_id", "address", "have_version", "wait_s", "unreachable")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    member_id: str
+    address: str
+    have_version: int
+    wait_s: float
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., have_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LocateWeightsReply(_message.Message):
+    __slots__ = ("found", "version", "total_bytes", "sha256", "format", "address", "source_member", "source_complete")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_MEMBER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    version: int
+    total_bytes: int
+    sha256: str
+    format: str
+    address: str
+    source_member: str
+    source_complete: bool
+    def __init__(self, found: _Optional[bool] = ..., version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., format: _Optional[str] = ..., address: _Optional[str] = ..., source_member: _Optional[str] = ..., source_complete: _Optional[bool] = ...) -> None: ...

@@ -69,6 +69,16 @@ class SchedulerStub:
                 request_serializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchWeightsRequest.SerializeToString,
                 response_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.FromString,
                 _registered_method=True)
+        self.AnnounceWeights = channel.unary_unary(
+                '/elasticrl.v1.Scheduler/AnnounceWeights',
+                request_serializer=elasticrl_dot___proto_dot_scheduler__pb2.AnnounceWeightsRequest.SerializeToString,
+                response_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.AnnounceWeightsReply.FromString,
+                _registered_method=True)
+        self.LocateWeights = channel.unary_unary(
+                '/elasticrl.v1.Scheduler/LocateWeights',
+                request_serializer=elasticrl_dot___proto_dot_scheduler__pb2.LocateWeightsRequest.SerializeToString,
+                response_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.LocateWeightsReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -121,6 +131,19 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnounceWeights(self, request, context):
+        """Weights relay (metadata only): a holder says what it holds; a worker asks whom to fetch from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LocateWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +181,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.FetchWeights,
                     request_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.FetchWeightsRequest.FromString,
                     response_serializer=elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.SerializeToString,
+            ),
+            'AnnounceWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnounceWeights,
+                    request_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.AnnounceWeightsRequest.FromString,
+                    response_serializer=elasticrl_dot___proto_dot_scheduler__pb2.AnnounceWeightsReply.SerializeToString,
+            ),
+            'LocateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateWeights,
+                    request_deserializer=elasticrl_dot___proto_dot_scheduler__pb2.LocateWeightsRequest.FromString,
+                    response_serializer=elasticrl_dot___proto_dot_scheduler__pb2.LocateWeightsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +382,60 @@ class Scheduler:
             '/elasticrl.v1.Scheduler/FetchWeights',
             elasticrl_dot___proto_dot_scheduler__pb2.FetchWeightsRequest.SerializeToString,
             elasticrl_dot___proto_dot_scheduler__pb2.WeightChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnounceWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticrl.v1.Scheduler/AnnounceWeights',
+            elasticrl_dot___proto_dot_scheduler__pb2.AnnounceWeightsRequest.SerializeToString,
+            elasticrl_dot___proto_dot_scheduler__pb2.AnnounceWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticrl.v1.Scheduler/LocateWeights',
+            elasticrl_dot___proto_dot_scheduler__pb2.LocateWeightsRequest.SerializeToString,
+            elasticrl_dot___proto_dot_scheduler__pb2.LocateWeightsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,11 @@ class NodeConfig:
             "trainer.warmup_steps: the supervised warm-up trains on a toy task's targets; set it to 0 for "
             f"task.kind = {task.kind}" + (f" with env.name = {self.env.name!r}" if self.env.name else ""),
         )
+        _check(
+            self.rollout.max_staleness == 0 or self.run.rl_phase == "both",
+            f"rollout.max_staleness: {self.rollout.max_staleness} overlaps rollout with the update, which "
+            f"run.rl_phase = {self.run.rl_phase} does not run together; set it to 0 (or run.rl_phase = both)",
+        )
 
     @property
     def engine_name(self) -> str:

@@ -148,6 +148,9 @@ class EngineConfig:
         _check(self.tensor_parallel_size >= 1, f"engine.tensor_parallel_size: {self.tensor_parallel_size} must be at least 1")
 
 
+WEIGHTS_TRANSFERS = ("relay", "coordinator")
+
+
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
     """How completions are sampled, and how the coordinator's scheduler hands out the groups."""
@@ -182,10 +185,28 @@ class RolloutConfig:
     the engines until the new policy is pushed). Their task leases run meanwhile, so keep
     task_lease_s above the update time, or turn this off; ignored with deadline_s."""
     publish_weights: bool = True
-    """Rank 0 publishes every policy version to the coordinator, so rollout-only workers
-    (``elasticrl rollout``) can join at any time; off saves one upload per iteration."""
+    """Rank 0 publishes every policy version for rollout-only workers (``elasticrl rollout``),
+    so they can join at any time; off saves one transfer per iteration."""
+    weights_transfer: str = "relay"
+    """How published weights reach rollout-only workers. relay: peer to peer, the coordinator
+    only says who holds which version (rank 0 serves each version, every worker serves the one it
+    has on, a pipeline whose time barely grows with the number of workers); coordinator: uploaded
+    to the coordinator and downloaded from it (one process carries every copy; for workers that
+    cannot reach each other). Trainer and workers must use the same."""
+    relay_host: str = ""
+    """relay: the address peers reach this process at; empty: the local address of the interface
+    that routes to the coordinator."""
+    relay_port: int = 0
+    """relay: the TCP port this process serves weights on; 0 picks a free one."""
     weights_wait_s: float = 300.0
     """Rollout-only workers: how long to wait for the policy version a task needs, seconds."""
+    max_staleness: int = 0
+    """Asynchronous RL: how many policy versions a trained sample may lag the policy it trains (k).
+    0: on-policy (iteration i is drawn with version i - 1, engines idle during the update). k >= 1:
+    the driver keeps k iterations submitted ahead, engines keep drawing with the newest version they
+    hold while the trainer updates, and the loss corrects the lag (algorithm.off_policy_correction);
+    a group more than k versions old is dropped at fetch (metric stale_dropped). With run.rl_phase
+    rollout or update there is no overlap to gain: it must stay 0."""
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, f"rollout.temperature: {self.temperature} must be > 0 (use 1.0)")
@@ -199,11 +220,20 @@ class RolloutConfig:
         _check(1 <= self.max_task_failures <= 100, f"rollout.max_task_failures: {self.max_task_failures} must be in 1..100")
         _check(self.seal_timeout_s > 0, f"rollout.seal_timeout_s: {self.seal_timeout_s} must be > 0 seconds")
         _check(self.weights_wait_s > 0, f"rollout.weights_wait_s: {self.weights_wait_s} must be > 0 seconds")
+        _check(
+            isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool) and 0 <= self.max_staleness <= 64,
+            f"rollout.max_staleness: {self.max_staleness!r} must be an integer in 0..64 (0: on-policy; 1 or 2 overlap "
+            "rollout with the update)",
+        )
+        _check(self.weights_transfer in WEIGHTS_TRANSFERS,
+               f"rollout.weights_transfer: {self.weights_transfer!r} must be one of {', '.join(WEIGHTS_TRANSFERS)}")
+        _check(0 <= self.relay_port < 65536, f"rollout.relay_port: {self.relay_port} must be in 0..65535 (0: any free port)")
 
 
 LOSSES = ("grpo_clip", "reinforce")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # elasticrl.rl.advantages.ADVANTAGES (a unit test keeps them equal)
 AGGREGATIONS = ("token", "sequence")
+OFF_POLICY_CORRECTIONS = ("tis", "none")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -227,6 +257,13 @@ class AlgorithmConfig:
     fn(prompt, completion, target) -> float. Empty: the task's own reward."""
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     """Weights of ``rewards`` (same length); empty means 1.0 each."""
+    off_policy_correction: str = "tis"
+    """With rollout.max_staleness >= 1 only (k = 0 trains exactly as before): "tis", the decoupled
+    objective: the ratio is clipped against the policy at the start of the update (the proximal
+    policy) and each token is weighted by the truncated importance weight min(pi_prox / pi_behaviour,
+    tis_cap) of the policy that drew it; "none": the plain loss against the behaviour logprobs."""
+    tis_cap: float = 2.0
+    """off_policy_correction = tis: the largest per-token importance weight pi_prox / pi_behaviour (>= 1)."""
 
     def __post_init__(self) -> None:
         _check(self.loss in LOSSES, f"algorithm.loss: {self.loss!r} is not one of {', '.join(LOSSES)}")
@@ -237,6 +274,11 @@ class AlgorithmConfig:
             self.aggregation in AGGREGATIONS,
             f"algorithm.aggregation: {self.aggregation!r} is not one of {', '.join(AGGREGATIONS)}",
         )
+        _check(
+            self.off_policy_correction in OFF_POLICY_CORRECTIONS,
+            f"algorithm.off_policy_correction: {self.off_policy_correction!r} is not one of {', '.join(OFF_POLICY_CORRECTIONS)}",
+        )
+        _check(self.tis_cap >= 1.0, f"algorithm.tis_cap: {self.tis_cap} must be >= 1 (e.g. 2.0; it caps pi_prox / pi_behaviour)")
         _check(
             not self.reward_weights or len(self.reward_weights) == len(self.rewards),
             f"algorithm.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards; "

@@ -102,6 +102,9 @@ class EpisodeResult:
     """The first observation as text."""
     text: str
     """Everything after the first observation as text: actions and observations in order."""
+    policy_version: int = -1
+    """The oldest engine policy version any of its actions was drawn with (the weights may change
+    between turns); -1: no action drawn."""
 
     @property
     def reward(self) -> float:
@@ -303,8 +306,9 @@ class EpisodeRunner:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def _generate(self, context: list[int], spec: SamplingSpec) -> tuple[Sample, float]:
-        """The engine's sample for ``context`` and the seconds of the batch it was drawn in."""
+    async def _generate(self, context: list[int], spec: SamplingSpec) -> tuple[Sample, float, int]:
+        """The engine's sample for ``context``, the seconds of the batch it was drawn in and the
+        policy version it was drawn with."""
         future = self._loop.create_future()
         self._parked.append(_Parked(context, spec, future))
         self._wake.set()
@@ -360,7 +364,7 @@ class EpisodeRunner:
         for group, parked in zip(groups, merged.values()):
             for sample, p in zip(group.samples, parked):
                 if not p.future.done():
-                    p.future.set_result((sample, seconds))
+                    p.future.set_result((sample, seconds, group.policy_version))
 
     # -- episodes ------------------------------------------------------------------------------
 
@@ -410,7 +414,7 @@ class EpisodeRunner:
                 raise EnvError(f"env {env_label(env)}.reset(): the first observation renders to no tokens")
             mask, logprobs = [0] * len(tokens), [0.0] * len(tokens)
             prompt, transcript, rewards = self.renderer.as_text(obs), [], []
-            turns, truncated, last = 0, False, "stop"
+            turns, truncated, last, version = 0, False, "stop", -1
             while True:
                 if task.cancelled is not None and task.cancelled.is_set():
                     raise _Cancelled()
@@ -420,8 +424,9 @@ class EpisodeRunner:
                     break
                 spec = dataclasses.replace(task.sampling, n=1, max_new_tokens=min(task.sampling.max_new_tokens, room),
                                            seed=_turn_seed(seed, turns))
-                sample, seconds = await self._generate(tokens, spec)
+                sample, seconds, drawn_with = await self._generate(tokens, spec)
                 gen_s += seconds
+                version = drawn_with if version < 0 else min(version, drawn_with)
                 action_ids = list(sample.completion_ids)
                 tokens += action_ids
                 mask += [1] * len(action_ids)
@@ -464,6 +469,7 @@ class EpisodeRunner:
         return EpisodeResult(
             token_ids=tokens, loss_mask=mask, logprobs=logprobs, rewards=rewards, turns=turns, env_s=env_s, gen_s=gen_s,
             truncated=truncated, finish_reason="length" if truncated or last == "length" else "stop", prompt=prompt, text=text,
+            policy_version=version,
         )
 
     @staticmethod

@@ -240,6 +240,28 @@ class SchedulerClient(CoordinatorClient):
             if result is not None or time.monotonic() >= give_up:
                 return result
 
+    # -- weights relay (metadata only; elasticrl.weights.peer moves the bytes) ------------------
+
+    def announce_weights(self, run_id: str, version: int, *, total_bytes: int, sha256: str, member_id: str,
+                         address: str, complete: bool) -> int:
+        """Say that ``member_id`` serves ``version`` at ``address``; returns the run's newest version."""
+        request = spb.AnnounceWeightsRequest(
+            run_id=run_id, version=version, total_bytes=total_bytes, sha256=sha256, format=FORMAT,
+            member_id=member_id, address=address, complete=complete,
+        )
+        return self._call("AnnounceWeights", request, stub=self._sched).newest_version
+
+    def locate_weights(self, run_id: str, *, member_id: str, address: str, have_version: int, wait_s: float = 0.0,
+                       unreachable: list[str] | tuple[str, ...] = ()) -> spb.LocateWeightsReply | None:
+        """Whom to fetch the run's newest weights from, if newer than ``have_version``: one
+        server-side wait of at most ``MAX_WAIT_CHUNK_S`` (call again to wait longer). The caller
+        is registered as a holder still receiving it at ``address``."""
+        wait_s = max(0.0, min(MAX_WAIT_CHUNK_S, wait_s))
+        request = spb.LocateWeightsRequest(run_id=run_id, member_id=member_id, address=address, have_version=have_version,
+                                           wait_s=wait_s, unreachable=list(unreachable))
+        reply = self._call("LocateWeights", request, stub=self._sched, timeout_s=wait_s + DEADLINE_SLACK_S)
+        return reply if reply.found else None
+
 
 def _assemble(run_id: str, stream) -> tuple[int, bytes] | None:
     """Join a FetchWeights stream into ``(version, blob)``; None for an empty stream."""

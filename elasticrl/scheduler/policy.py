@@ -136,5 +136,8 @@ def balance_shards(groups: list[tuple[str, int, int]], world_size: int) -> list[
 
 
 def oldest_open(iterations: list[Iteration]) -> list[Iteration]:
-    """Open iterations in the order their tasks should be handed out: oldest first."""
-    return sorted((it for it in iterations if not it.sealed), key=lambda it: (it.submitted_at, it.iteration))
+    """Open iterations in the order their tasks should be handed out: the lowest iteration number
+    first (then the earlier submit). The trainer waits for the lowest one: with iterations submitted
+    ahead (``rollout.max_staleness``), or one submitted again by a trainer resumed from an older
+    checkpoint after the scheduler let it go, the newest submit may well be the one needed first."""
+    return sorted((it for it in iterations if not it.sealed), key=lambda it: (it.iteration, it.submitted_at))

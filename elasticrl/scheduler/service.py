@@ -33,6 +33,7 @@ from elasticrl.scheduler.convert import (
 )
 from elasticrl.scheduler.state import IterationConfig
 from elasticrl.scheduler.weights import CHUNK_BYTES, WeightStore
+from elasticrl.weights import directory
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         self.upload_idle_s = UPLOAD_IDLE_S
         # What FetchWeights sends per message: 4 MiB, or less under a small --max-message-mb.
         self.weight_chunk_bytes = min(CHUNK_BYTES, max_message_bytes // 2)
+        self.directory = directory.WeightDirectory()
 
     @guarded
     async def SubmitIteration(self, request: spb.SubmitIterationRequest, context) -> spb.SubmitIterationResponse:
@@ -208,6 +210,37 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     run_id=blob.run_id, version=blob.version, total_bytes=blob.total_bytes, offset=offset,
                     data=data, sha256=blob.sha256, format=blob.format,
                 )
+
+    @guarded
+    async def AnnounceWeights(self, request: spb.AnnounceWeightsRequest, context) -> spb.AnnounceWeightsReply:
+        """Metadata only: see AnnounceWeights in scheduler.proto."""
+        run_id = v.ident("run_id", request.run_id)
+        version = directory.Version.checked(request.version, request.total_bytes, request.sha256, request.format)
+        member = v.ident("member_id", request.member_id)
+        addr = directory.address("address", request.address)
+        newest = self.directory.announce(run_id, version, member, addr, request.complete)
+        return spb.AnnounceWeightsReply(newest_version=newest)
+
+    @guarded
+    async def LocateWeights(self, request: spb.LocateWeightsRequest, context) -> spb.LocateWeightsReply:
+        """Whom to fetch the run's newest weights from: see LocateWeights in scheduler.proto."""
+        run_id = v.ident("run_id", request.run_id)
+        member = v.ident("member_id", request.member_id)
+        addr = directory.address("address", request.address, allow_empty=True)
+        if request.have_version < -1:
+            raise InvalidRequestError(f"have_version: {request.have_version} must be >= -1 (-1: no weights held yet)")
+        wait_s = request.wait_s
+        if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_WEIGHTS_WAIT_S:
+            raise InvalidRequestError(f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)")
+        unreachable = [directory.address("unreachable", a) for a in v.batch("unreachable", list(request.unreachable), allow_empty=True)]
+        src = await self.directory.locate(run_id, member, addr, request.have_version, wait_s, unreachable)
+        if src is None:
+            return spb.LocateWeightsReply(found=False)
+        ver = src.version
+        return spb.LocateWeightsReply(
+            found=True, version=ver.version, total_bytes=ver.total_bytes, sha256=ver.sha256, format=ver.format,
+            address=src.address, source_member=src.member_id, source_complete=src.complete,
+        )
 
     async def Work(self, requests, context):
         """One engine's stream: see the Work RPC in scheduler.proto."""

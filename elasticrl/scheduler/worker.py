@@ -3,10 +3,10 @@ trajectories back.
 
 ``RolloutWorker`` joins the run as a member (its lease renewed by a keep-alive task), opens the
 stream with ``slots`` credits, runs each assigned task through a blocking ``generate`` callable
-in a thread pool of ``slots`` threads (or, with ``generate_batch``, the tasks of each assignment
-message in one call, as a batching engine wants them), and sends finished groups in batches: a
-batch goes out
-when it reaches ``batch_bytes`` or ``linger_s`` after its first group, whichever comes first.
+in a thread pool of ``slots`` threads (or, with ``generate_batch``, the tasks of one iteration in
+each assignment message in one call, as a batching engine wants them), and sends finished groups
+in batches: a batch goes out when it reaches ``batch_bytes`` or ``linger_s`` after its first
+group, whichever comes first.
 
 Nothing is lost on a broken stream: every batch stays in ``unacked`` until the coordinator acks
 it (after storing it durably) and is re-sent, in order, on the next stream; the coordinator
@@ -53,12 +53,22 @@ class Assignment:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
+def by_iteration(items: list[Assignment]) -> list[list[Assignment]]:
+    """One batch per iteration, oldest first: the tasks of an iteration ask for one policy version,
+    and a batch whose engine waits for a newer version (a task submitted ahead) must not hold back
+    the results of an older iteration that the trainer is waiting for."""
+    batches: dict[int, list[Assignment]] = {}
+    for a in items:
+        batches.setdefault(a.iteration, []).append(a)
+    return [batches[i] for i in sorted(batches)]
+
+
 Generate = Callable[[Assignment], GroupRecord]
 """Runs one task (blocking, in a worker thread) and returns its group. ``task_id`` must match;
 ``gen_seconds`` is measured for it when left 0."""
 
 GenerateBatch = Callable[[list[Assignment]], list[GroupRecord | TaskFailure]]
-"""Runs the tasks of one assignment message together (an engine that batches prompts), returning
+"""Runs the tasks of one iteration in one assignment message together (an engine that batches prompts), returning
 their groups in the same order; a ``TaskFailure`` in place of a group reports that task's attempt
 as failed (its environment raised), which the scheduler retries elsewhere or gives up."""
 
@@ -302,7 +312,7 @@ class RolloutWorker:
             assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
             self._running[(a.iteration, spec.task_id)] = assignment
             items.append(assignment)
-        batches = [items] if self.generate_batch is not None else [[a] for a in items]
+        batches = by_iteration(items) if self.generate_batch is not None else [[a] for a in items]
         for batch in batches:
             if batch:
                 task = asyncio.create_task(self._run_tasks(executor, batch))

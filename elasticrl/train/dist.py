@@ -116,6 +116,20 @@ def broadcast_json(obj, src: int):
     return json.loads(broadcast_bytes(data, src))
 
 
+def all_gather_json(obj) -> list:
+    """Every rank's JSON-able value, in rank order (no pickle, unlike ``all_gather_object``)."""
+    data = json.dumps(obj).encode()
+    device = comm_device()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)  # never empty: JSON
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(parts, mine)
+    return [json.loads(p[:int(n)].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+
 def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, src: int) -> dict[str, torch.Tensor]:
     """Named tensors from rank ``src``, returned on the CPU: a JSON header (names, dtypes, shapes),
     then each tensor."""

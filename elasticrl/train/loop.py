@@ -3,8 +3,9 @@
 One ``NodeTrainer`` per torchrun worker. Every worker holds a coordinator ``Membership`` (member
 ``rank-<r>`` in run ``<run id>.workers``, kept apart from the agents' rendezvous members so a
 barrier waits for workers only) and runs a rollout engine that is a member of ``<run id>.rollout``,
-the scheduler's run. Rank 0 submits each iteration's prompts as tasks, each naming the policy
-version it must be drawn from; every node's engine (and any rollout-only worker that joined) pulls
+the scheduler's run. Rank 0 submits each iteration's prompts as tasks, each naming the oldest
+policy version it may be drawn from (``train/submit.py``; ``rollout.max_staleness`` iterations
+ahead with asynchronous RL, ``train/staleness.py``); every node's engine (and any rollout-only worker that joined) pulls
 and generates them; once the iteration seals, the workers meet at a leased barrier, fetch their
 token-balanced shard of the batch from the coordinator, update the policy with the configured
 strategy (DDP, DeepSpeed ZeRO, FSDP2) and push the new weights into their engines; rank 0 also
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import random
 import shutil
@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
 from elasticrl.coordinator.client import Membership, resolve_token
-from elasticrl.env import EnvError
 from elasticrl.errors import ElasticRLError, NotFoundError
 from elasticrl.rl.advantages import compute_advantages
 from elasticrl.rl.loss import policy_loss
@@ -47,13 +46,16 @@ from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt, snapshot, stop
 from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version
 from elasticrl.train.background import BackgroundCall
-from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
+from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.model import build_engine, build_policy, build_runner
-from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, iteration_tasks
+from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, check_failures, dummy_batch
+from elasticrl.train.staleness import keep_fresh, lag_summary, merge_lags
+from elasticrl.train.submit import Submitter, is_eval
 from elasticrl.train.strategy import StrategyConfig, adamw_factory, make_strategy
 from elasticrl.train.warmup import supervised_warmup
+from elasticrl.weights.transfer import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +112,9 @@ class NodeTrainer:
         self.reference: torch.nn.Module | None = None
         self.last_checkpoint = ""
         self.device = torch.device("cpu")
-        self._presubmitted: tuple[int, BackgroundCall] | None = None
+        self.submitter: Submitter | None = None  # rank 0
         self._publishing: BackgroundCall | None = None
+        self.publisher: WeightPublisher | None = None
         self._finished = False
         self._unrecorded: dict | None = None
 
@@ -133,7 +136,13 @@ class NodeTrainer:
         )
         members_run = f"{cfg.run.run_id}.workers"
         generation = self.client.kv_add(members_run, GENERATION_KEY, 1) if world.rank == 0 else None
+        r = cfg.rollout
+        if world.rank == 0 and r.publish_weights:
+            self.publisher = WeightPublisher(self.client, rollout_run(cfg.run.run_id), member_id(0), mode=r.weights_transfer, token=token,
+                                             coordinator_address=c.address, relay_host=r.relay_host, relay_port=r.relay_port)
         self.generation = int(broadcast_json(generation, src=0))
+        if world.rank == 0:
+            self.submitter = Submitter(cfg, self.rows, self.client, generation=self.generation, max_new_tokens=self.max_new_tokens)
         self.membership = Membership(
             self.client,
             members_run,
@@ -242,10 +251,10 @@ class NodeTrainer:
     # -- weights -------------------------------------------------------------------------------
 
     def _push(self, version: int) -> float:
-        """Put policy ``version`` into this node's engine and (rank 0) on the coordinator for
-        rollout-only workers; open the gate for tasks that need it. The upload runs in the
-        background (a rollout-only worker waits for the version its task names anyway); returns
-        the seconds spent waiting for the previous upload."""
+        """Put policy ``version`` into this node's engine and (rank 0) publish it for rollout-only
+        workers (``rollout.weights_transfer``); open the gate for tasks that need it. The publish
+        runs in the background (a rollout-only worker waits for the version its task names
+        anyway); returns the seconds spent waiting for the previous one."""
         state = None
         if self.shares_module:
             with self.engine_lock:
@@ -256,16 +265,16 @@ class NodeTrainer:
                 self.engine.update_weights(state.items(), version=version)
         self.version = version
         self.gate.advance(version)
-        if self.world.rank != 0 or not self.cfg.rollout.publish_weights:
+        if self.publisher is None:
             return 0.0
         if state is None:  # a copy: the optimizer changes the shared module while the upload runs
             with self.engine_lock:
                 state = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.unwrap().state_dict().items()}
         waited = self._wait_published()
-        run, wversion = rollout_run(self.cfg.run.run_id), weights_version(self.generation, version)
+        wversion = weights_version(self.generation, version)
         self._publishing = BackgroundCall(
-            lambda: self.client.publish_weights(run, wversion, pack_state_dict(state)),
-            f"publishing policy version {version} to the coordinator",
+            lambda: self.publisher.publish(wversion, pack_state_dict(state)),
+            f"publishing policy version {version} ({self.publisher.mode})",
         )
         return waited
 
@@ -274,10 +283,17 @@ class NodeTrainer:
         pending, self._publishing = self._publishing, None
         return 0.0 if pending is None else pending.wait(self.cfg.coordinator.reconnect_timeout_s + 300)
 
-    def _sleep_engine(self) -> None:
-        if not self.shares_module and self.cfg.engine.sleep_during_update and self.device.type == "cuda":
-            with self.engine_lock:
-                self.engine.sleep()
+    @contextlib.contextmanager
+    def _engine_asleep(self):
+        """engine.sleep_during_update on a GPU: the engine sleeps from here to the push that wakes
+        it, and the engine lock is held all along, so an engine worker still drawing (with
+        rollout.max_staleness >= 1) waits instead of calling a sleeping engine."""
+        if self.shares_module or not self.cfg.engine.sleep_during_update or self.device.type != "cuda":
+            yield
+            return
+        with self.engine_lock:
+            self.engine.sleep()
+            yield
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -287,62 +303,6 @@ class NodeTrainer:
         lost = sorted(current & set(result.evicted))
         if lost:
             raise WorldChangedError(f"iteration {iteration} ({phase}): {', '.join(lost)} evicted ({result.reason}); re-forming")
-
-    def _is_eval(self, iteration: int) -> bool:
-        every = self.cfg.run.eval_interval
-        return bool(every) and iteration % every == 0
-
-    def _submit(self, iteration: int, policy_version: int) -> None:
-        """Rank 0: the iteration's prompts as scheduler tasks, to be drawn with ``policy_version``.
-        A restarted group submits the same tasks again, which is a no-op (and an iteration that
-        already sealed is reused)."""
-        cfg = self.cfg
-        common = dict(
-            iteration=iteration, seed=cfg.run.seed, group_size=cfg.task.group_size, max_new_tokens=self.max_new_tokens,
-            temperature=cfg.rollout.temperature, policy_version=policy_version,
-            weights_version=weights_version(self.generation, policy_version),
-        )
-        # Rows depend only on (seed, iteration, data position): every world size trains on the same data.
-        tasks = iteration_tasks(self.rows.train_rows(iteration, cfg.task.prompts_per_iteration), **common)
-        if self._is_eval(iteration):  # held-out rows, the same ones at every evaluation
-            held_out = self.rows.eval_rows(cfg.task.eval_prompts)
-            if held_out:
-                tasks += iteration_tasks(held_out, split="eval", **common)
-        r = cfg.rollout
-        self.client.submit_iteration(
-            rollout_run(cfg.run.run_id), iteration, tasks, policy=r.policy, deadline_s=r.deadline_s,
-            min_fraction=r.min_fraction, task_lease_s=r.task_lease_s, backup_tasks=r.backup_tasks,
-            max_task_failures=r.max_task_failures,
-        )
-
-    def _presubmit(self, iteration: int) -> None:
-        """Rank 0 (``rollout.presubmit``): submit the next iteration while this one updates, off the
-        critical path. Its tasks name the version this update produces, so no engine draws them
-        before it has that policy; with ``rollout.deadline_s`` the next submit waits for the
-        iteration to start instead (the deadline counts from the submit)."""
-        cfg = self.cfg
-        if (self.world.rank != 0 or cfg.run.rl_phase != "both" or not cfg.rollout.presubmit or cfg.rollout.deadline_s
-                or iteration > cfg.run.iterations):
-            return
-        self._presubmitted = (
-            iteration, BackgroundCall(lambda: self._submit(iteration, iteration - 1), f"submitting iteration {iteration}"),
-        )
-
-    def _collect_presubmitted(self, iteration: int) -> bool:
-        """Whether ``iteration`` was already submitted during the previous update (re-raises its failure)."""
-        pending, self._presubmitted = self._presubmitted, None
-        if pending is None or pending[0] != iteration:
-            return False
-        call = pending[1]
-        try:
-            call.wait(self.cfg.coordinator.reconnect_timeout_s + self.cfg.coordinator.call_timeout_s)
-        except ElasticRLError:
-            if not call.running:
-                raise  # the submit itself failed
-            # Still retrying a slow coordinator: submit again here (a no-op if the other lands).
-            log.warning("the background submit of iteration %d is still running; submitting it again", iteration)
-            return False
-        return True
 
     def _rollout(self, iteration: int) -> dict:
         """Wait for the iteration to seal (every node's engine works on it meanwhile); fails at
@@ -359,39 +319,23 @@ class NodeTrainer:
                 )
         return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check)
 
-    def _check_failures(self, iteration: int, manifest: dict) -> None:
-        """Stop the run when too many groups failed in their env: every rank sees the same
-        manifest, so all stop together, before any collective. Fewer failures than
-        ``rollout.min_fraction`` allows are dropped (logged, counted in the metrics)."""
-        failed, done, total = manifest["tasks_failed"], manifest["tasks_done"], manifest["tasks_total"]
-        if not failed:
-            return
-        need = max(1, math.ceil(self.cfg.rollout.min_fraction * total - 1e-9))
-        last = manifest["errors"][-1] if manifest["errors"] else "no reason recorded"
-        if done >= need:
-            log.warning("iteration %d: %d of %d groups failed in their env and were dropped (%d episode errors); last: %s",
-                        iteration, failed, total, manifest["env_errors"], last)
-            return
-        raise EnvError(
-            f"iteration {iteration}: {failed} of {total} groups failed in their environment ({manifest['env_errors']} episode "
-            f"errors, each group tried {self.cfg.rollout.max_task_failures} times) and only {done} completed, fewer than "
-            f"rollout.min_fraction = {self.cfg.rollout.min_fraction:g} allows; last error: {last}"
-        )
-
-    def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None, world_size: int | None = None) -> RolloutBatch:
+    def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None,
+               world_size: int | None = None) -> tuple[RolloutBatch, int, dict[int, int]]:
+        """This rank's shard as a batch, the number of samples dropped as stale, {lag: samples} of
+        the rest: a train group drawn more than ``rollout.max_staleness`` versions before the policy
+        it would train (``self.version``, also after a restart from an older checkpoint) is never
+        trained on."""
         groups = self.client.fetch_shard(
             rollout_run(self.cfg.run.run_id), iteration, split=split,
             rank=self.world.rank if rank is None else rank, world_size=world_size or self.world.world_size,
         )
-        return batch_from_groups(groups, self.parts.pad_id, self.device)
-
-    def _dummy_batch(self) -> RolloutBatch:
-        """One fully masked row: a rank with no groups still runs forward/backward (every strategy's
-        collectives need it), with a zero loss."""
-        tokens = torch.full((1, 2), self.parts.pad_id, dtype=torch.long, device=self.device)
-        zeros = torch.zeros(1, 1, device=self.device)
-        return RolloutBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), zeros, zeros.clone(),
-                            torch.zeros(1, device=self.device), [""], [])
+        both = split == "train" and self.cfg.run.rl_phase == "both"  # else evaluation, or off-policy by design (update phase)
+        k = self.cfg.rollout.max_staleness if both else 1 << 62
+        groups, dropped, lags = keep_fresh(groups, self.version, k)
+        if dropped:
+            log.warning("iteration %d: dropped %d sample(s) drawn more than rollout.max_staleness = %d versions before "
+                        "policy version %d", iteration, dropped, k, self.version)
+        return batch_from_groups(groups, self.parts.pad_id, self.device), dropped, lags
 
     def _update(self, batch: RolloutBatch, num_tokens: float, num_samples: float) -> dict[str, float]:
         """``updates_per_iteration`` optimizer steps on ``batch``; returns sums over this rank's
@@ -399,7 +343,7 @@ class NodeTrainer:
         cfg, a = self.cfg, self.cfg.algorithm
         empty = batch.tokens.shape[0] == 0
         if empty:
-            batch = self._dummy_batch()
+            batch = dummy_batch(self.parts.pad_id, self.device)
         advantages = compute_advantages(a.advantage, batch.rewards, 1 if empty else cfg.task.group_size)
         # The engines report logprobs of the distribution they sampled from, log_softmax(logits / T):
         # the ratio and the KL compare like with like only at the same temperature.
@@ -410,13 +354,18 @@ class NodeTrainer:
                 ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid, temperature=temperature).float()
         sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
         world = self.world.world_size
+        # rollout.max_staleness >= 1: the decoupled objective (rl/loss.py); the proximal policy is
+        # this update's start, i.e. the first step's logprobs before its optimizer step (no extra forward).
+        decoupled, prox = cfg.rollout.max_staleness > 0 and a.off_policy_correction == "tis", None
         for _ in range(cfg.trainer.updates_per_iteration):
             with self.strategy.autocast():
                 logprobs = self.parts.logprobs(self.strategy.module, batch.tokens, batch.valid, temperature=temperature)
+            prox = logprobs.detach().float() if decoupled and prox is None else prox
             loss, stats = policy_loss(
                 logprobs.float(), batch.old_logprobs, advantages, batch.completion_mask,
                 num_tokens=max(num_tokens, 1.0), kind=a.loss, clip_eps=a.clip_eps,
                 ref_logprobs=ref, kl_coef=a.kl_coef, aggregation=a.aggregation, num_sequences=max(num_samples, 1.0),
+                proximal_logprobs=prox, tis_cap=a.tis_cap,
             )
             # Gradients are averaged over ranks; each rank's loss is its share of the global loss.
             self.strategy.backward(loss * world)
@@ -433,8 +382,8 @@ class NodeTrainer:
         Every phase is timed on this rank (``t_*`` seconds). The barrier is where a trainer node
         that died during the rollout is noticed, before any collective could hang on it. No
         barrier is needed before the submit: ranks that are not there yet wait for the seal on
-        the coordinator, and an engine draws a task only once its node holds the policy version
-        the task names (``VersionGate``), so no group is drawn from a stale policy.
+        the coordinator, and an engine draws a task only once its node holds at least the policy
+        version the task names (``VersionGate``; ``rollout.max_staleness`` versions behind at most).
         """
         cfg = self.cfg
         phase = cfg.run.rl_phase
@@ -450,49 +399,52 @@ class NodeTrainer:
             t[name] = now - mark
             mark = now
 
-        if self.world.rank == 0 and phase != "update":
-            if not self._collect_presubmitted(iteration):
-                self._submit(iteration, self.version)
+        if self.submitter is not None and phase != "update":
+            self.submitter.submit_due(iteration, self.version)
         lap("t_submit")
         if self.snapshots is not None:
             self.snapshots.write_pending()  # the last iteration's, while this thread waits for the seal
         manifest = self._rollout(iteration)
-        self._check_failures(iteration, manifest)
+        check_failures(iteration, manifest, min_fraction=cfg.rollout.min_fraction, max_task_failures=cfg.rollout.max_task_failures)
         lap("t_rollout")
         # The seal's share of that wait: from the coordinator's seal decision to its reply (a rank
         # that arrives after the seal waited only for its own call, hence the min).
         t["t_seal"] = min(manifest["sealed_ago_s"], t["t_rollout"])
         self._barrier(iteration, "update")
         lap("t_barrier")
-        batch = self._fetch(iteration)
+        batch, stale, lags = self._fetch(iteration)
         # Waits for every rank's fetch, so it is part of the fetch phase.
         ep = batch.episodes
-        tokens, reward_sum, exact, samples, turns, env_s, truncated = all_reduce_sum([
+        tokens, reward_sum, exact, samples, turns, env_s, truncated, stale = all_reduce_sum([
             float(batch.completion_mask.sum()), float(batch.rewards.sum()), float((batch.rewards == 1).sum()),
-            len(batch.rewards), ep.get("turns", 0.0), ep.get("env_s", 0.0), ep.get("truncated", 0.0),
+            len(batch.rewards), ep.get("turns", 0.0), ep.get("env_s", 0.0), ep.get("truncated", 0.0), stale,
         ])
+        every_lag = all_gather_json(lags)
         lap("t_fetch")
-        self._presubmit(iteration + 1)
+        if self.submitter is not None:
+            self.submitter.presubmit(iteration)
         if samples == 0:
-            raise RuntimeError(f"iteration {iteration} sealed with no groups ({manifest['seal_reason']})")
+            raise RuntimeError(f"iteration {iteration} has no groups to train on ({manifest['seal_reason']}; {stale:.0f} stale samples dropped)")
         metrics: dict = {}
-        if self.world.rank == 0 and self._is_eval(iteration) and phase != "update":
-            held_out = self._fetch(iteration, "eval", rank=0, world_size=1)
+        if self.world.rank == 0 and is_eval(cfg, iteration) and phase != "update":
+            held_out, _, _ = self._fetch(iteration, "eval", rank=0, world_size=1)
             if held_out.rewards.numel():
                 metrics["eval_reward"] = float(held_out.rewards.mean())
                 metrics["eval_exact"] = float((held_out.rewards == 1).float().mean())
         lap("t_eval")
         sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
         if phase != "rollout":
-            self._sleep_engine()
-            with self.engine_lock if self.shares_module else contextlib.nullcontext():
-                sums = dict(zip(sums, all_reduce_sum(list(self._update(batch, tokens, samples).values()))))
-            lap("t_update")
-            if self.snapshots is not None:
-                self._snapshot(iteration, reward_sum / samples)
-                lap("t_snapshot")
-            t["t_publish"] = self._push(iteration)
-            lap("t_push")
+            with self._engine_asleep():
+                with self.engine_lock if self.shares_module else contextlib.nullcontext():
+                    sums = dict(zip(sums, all_reduce_sum(list(self._update(batch, tokens, samples).values()))))
+                    if self.shares_module:  # stamped with the weights it draws from (the gate opens at the push)
+                        self.engine.set_version(iteration)
+                lap("t_update")
+                if self.snapshots is not None:
+                    self._snapshot(iteration, reward_sum / samples)
+                    lap("t_snapshot")
+                t["t_publish"] = self._push(iteration)
+                lap("t_push")
         updates = cfg.trainer.updates_per_iteration
         metrics.update({
             "iteration": iteration,
@@ -519,6 +471,11 @@ class NodeTrainer:
             "evicted": manifest["evicted"],
             "seal_s": manifest["elapsed_s"],
             "seconds": time.monotonic() - start,
+            "stale_dropped": int(stale),
+            **lag_summary(merge_lags(every_lag)),
+            # The engine of this node (rank 0's): no task in hand or waiting at the gate; the trainer: waiting for rollouts.
+            "engine_idle_fraction": self.rollout.idle.take() if self.rollout is not None else 1.0,
+            "trainer_idle_fraction": min(1.0, (t["t_rollout"] + t["t_barrier"]) / max(time.monotonic() - start, 1e-9)),
             "example": (f"{batch.examples[0].prompt}{batch.completions[0]}" if batch.examples else "").replace("\n", " | "),
         })
         metrics.update(t)
@@ -676,6 +633,9 @@ class NodeTrainer:
             except ElasticRLError as exc:
                 log.warning("could not leave the run cleanly: %s", exc)
             self.membership = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         if self.client is not None:
             self.client.close()
             self.client = None

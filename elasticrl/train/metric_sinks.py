@@ -37,7 +37,8 @@ METRICS_FILE = "metrics.jsonl"
 
 class ProgressTable:
     """One row per iteration on stdout, under a header printed once: a bar, reward, exact-match
-    fraction, loss, world size, and where the time went (rollout, update, coordination)."""
+    fraction, loss, world size, where the time went (rollout, update, coordination), the mean
+    policy lag of the trained samples and how idle this node's engine and the trainer were."""
 
     def __init__(self, iterations: int):
         self.iterations = iterations
@@ -48,7 +49,7 @@ class ProgressTable:
         if not self._header_shown:
             self._header_shown = True
             print(f"{'progress':<22} {'iter':>7}  {'reward':>6}  {'exact':>5}  {'loss':>8}  {'world':>5}  "
-                  f"{'time':>6}  {'rollout':>7}  {'update':>6}  {'coord':>6}  example", flush=True)
+                  f"{'time':>6}  {'rollout':>7}  {'update':>6}  {'coord':>6}  {'lag':>4}  {'idle e/t':>9}  example", flush=True)
         filled = round(20 * step / n)
         coord = sum(metrics.get(k, 0.0) for k in ("t_barrier", "t_submit", "t_seal", "t_fetch", "t_eval"))
         evaluation = f"  eval {metrics['eval_reward']:.3f}" if "eval_reward" in metrics else ""
@@ -56,7 +57,8 @@ class ProgressTable:
             f"[{'#' * filled}{'-' * (20 - filled)}] {step:>3}/{n:<3}  {metrics['reward_mean']:>6.3f}  "
             f"{metrics['exact_fraction']:>5.2f}  {metrics['loss']:>+8.4f}  {metrics['world_size']:>5}  "
             f"{metrics['seconds']:>5.2f}s  {metrics['t_rollout']:>6.2f}s  {metrics.get('t_update', 0.0):>5.2f}s  "
-            f"{coord:>5.3f}s  {metrics['example']}{evaluation}",
+            f"{coord:>5.3f}s  {metrics.get('policy_lag_mean', 0.0):>4.1f}  {metrics.get('engine_idle_fraction', 0.0):>4.0%}/"
+            f"{metrics.get('trainer_idle_fraction', 0.0):<4.0%}  {metrics['example']}{evaluation}",
             flush=True,
         )
 

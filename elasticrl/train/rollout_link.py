@@ -7,12 +7,14 @@
   it must be sampled with.
 * ``EngineWorker``: a ``RolloutWorker`` whose tasks are played by an ``EpisodeRunner`` (every
   episode of every task this engine holds, batched turn by turn), on its own event loop in a
-  daemon thread. It waits until its engine holds the version the tasks ask for (``VersionGate``)
-  and stamps every group with that version; a group whose env failed goes back to the scheduler
-  as a failed attempt. Trainer nodes and rollout-only workers (``elasticrl rollout``) both run
-  one; they differ only in their gate.
+  daemon thread. It waits until its engine holds at least the version the tasks ask for
+  (``VersionGate``) and stamps every group with the version its episodes were actually drawn with
+  (the oldest one, should the weights change between turns); a group whose env failed goes back to
+  the scheduler as a failed attempt. It measures how much of its time the engine had nothing in
+  hand or waited at the gate (``idle``). Trainer nodes and rollout-only workers (``elasticrl
+  rollout``) both run one; they differ only in their gate.
 * ``batch_from_groups``: a fetched shard back into the padded tensors the loss expects, with each
-  episode's loss mask.
+  episode's loss mask; ``check_failures``: whether a sealed iteration lost too many groups to its env.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 
 import numpy as np
 import torch
 
+from elasticrl.env import EnvError
 from elasticrl.errors import ElasticRLError
 from elasticrl.rl.rewards import RewardError
 from elasticrl.rl.rollout import RolloutBatch
@@ -35,6 +39,7 @@ from elasticrl.rollout.engine import SamplingSpec
 from elasticrl.rollout.episodes import EpisodeRunner, GroupOutcome, GroupTask
 from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, Split, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
+from elasticrl.train.staleness import IdleMeter
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ MAX_METADATA_BYTES = 64 << 10  # the scheduler's limit on a task's metadata_json
 
 
 class PolicyVersionTimeout(ElasticRLError, TimeoutError):
-    """The engine did not get the policy version a task asks for in time."""
+    """The engine did not get the (minimum) policy version a task asks for in time."""
 
 
 class GateClosed(ElasticRLError):
@@ -88,7 +93,9 @@ def iteration_tasks(
 
 
 class VersionGate:
-    """Trainer nodes: the engine may draw a task's group once the node pushed that policy version.
+    """Trainer nodes: the engine may draw a task's group once the node pushed at least the policy
+    version the task names (a minimum: with ``rollout.max_staleness = k`` it lags the trainer's
+    version by up to ``k``, and the engine draws with the newest version it holds).
 
     The trainer calls ``advance(v)`` after it pushed version ``v`` into its engine; ``wait`` blocks
     the engine's thread until then (a task of the next iteration can arrive before this node's own
@@ -135,7 +142,9 @@ def task_row(meta: dict) -> dict:
 
 def group_record(task_id: str, outcome: GroupOutcome, version: int, *, with_prompt: bool) -> GroupRecord:
     """The episodes of a played group as the scheduler stores them. ``with_prompt``: the text keeps
-    the first observation (an env's transcript); otherwise it is the completion alone."""
+    the first observation (an env's transcript); otherwise it is the completion alone. The group's
+    policy version is the oldest its episodes were drawn with (``version``, the engine's when the
+    group started, for episodes that drew nothing)."""
     samples = []
     for e in outcome.episodes or []:
         text = f"{e.prompt}\n{e.text}" if with_prompt else e.text
@@ -144,6 +153,8 @@ def group_record(task_id: str, outcome: GroupOutcome, version: int, *, with_prom
             turns=e.turns, env_s=e.env_s, truncated=e.truncated,
         ))
     episodes = outcome.episodes or []
+    drawn = [e.policy_version for e in episodes if e.policy_version >= 0]
+    version = min(drawn, default=version)
     return GroupRecord(task_id, "", version, max((e.gen_s for e in episodes), default=0.0), sum(e.env_s for e in episodes), samples)
 
 
@@ -176,6 +187,7 @@ class EngineWorker:
         self.error: BaseException | None = None
         self.groups_done = 0
         self.groups_failed = 0
+        self.idle = IdleMeter()  # busy: some batch in hand past the gate
         self._failures = 0  # consecutive failed batches, over all of the worker's slots
         self._failures_lock = threading.Lock()  # batches run on up to `slots` executor threads
         self.worker = RolloutWorker(
@@ -236,7 +248,8 @@ class EngineWorker:
             self.version_timeout_s,
         )
         try:
-            out = self._play(assignments, metas)
+            with self.idle.busy():
+                out = self._play(assignments, metas)
         except RewardError as exc:
             self._fail(exc)
             raise
@@ -281,6 +294,34 @@ class EngineWorker:
         if self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=timeout_s)
+
+
+def check_failures(iteration: int, manifest: dict, *, min_fraction: float, max_task_failures: int) -> None:
+    """Stop the run when too many groups of a sealed iteration failed in their env: every rank sees
+    the same manifest, so all stop together, before any collective. Fewer failures than
+    ``rollout.min_fraction`` allows are dropped (logged, counted in the metrics)."""
+    failed, done, total = manifest["tasks_failed"], manifest["tasks_done"], manifest["tasks_total"]
+    if not failed:
+        return
+    need = max(1, math.ceil(min_fraction * total - 1e-9))
+    last = manifest["errors"][-1] if manifest["errors"] else "no reason recorded"
+    if done >= need:
+        log.warning("iteration %d: %d of %d groups failed in their env and were dropped (%d episode errors); last: %s",
+                    iteration, failed, total, manifest["env_errors"], last)
+        return
+    raise EnvError(
+        f"iteration {iteration}: {failed} of {total} groups failed in their environment ({manifest['env_errors']} episode "
+        f"errors, each group tried {max_task_failures} times) and only {done} completed, fewer than "
+        f"rollout.min_fraction = {min_fraction:g} allows; last error: {last}"
+    )
+
+
+def dummy_batch(pad_id: int, device: torch.device) -> RolloutBatch:
+    """One fully masked row: a rank with no groups still runs forward/backward (every strategy's
+    collectives need it), with a zero loss."""
+    tokens = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+    zeros = torch.zeros(1, 1, device=device)
+    return RolloutBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), zeros, zeros.clone(), torch.zeros(1, device=device), [""], [])
 
 
 def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.device) -> RolloutBatch:

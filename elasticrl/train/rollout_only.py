@@ -2,9 +2,11 @@
 
 It builds the run's engine from the same node config (``[model]``, ``[engine]``, ``[task]``,
 ``[algorithm] rewards``), joins the scheduler's run ``<run id>.rollout`` as one more engine, and
-takes tasks like the trainer nodes' own engines do. Weights come from the coordinator: rank 0
-publishes every policy version there, and before drawing a task this worker fetches the version the
-task names (``CoordinatorWeights``), so no group is drawn from a stale policy. Training never waits
+takes tasks like the trainer nodes' own engines do. Rank 0 publishes every policy version
+(``rollout.weights_transfer``: peer to peer through the relay, the coordinator only naming the
+source; or through the coordinator), and before drawing a task this worker fetches the version the
+task names (``CoordinatorWeights``), so no group is drawn from a stale policy; with the relay it
+then serves that version on to the workers that fetch after it. Training never waits
 for such a worker and never restarts for it: it adds throughput while it is there; killed, its
 tasks go back to the queue when its lease lapses. It exits 0 when the trainer closes the run.
 """
@@ -30,12 +32,15 @@ from elasticrl.scheduler.weights import unpack_state_dict
 from elasticrl.train.names import rollout_run
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, GateClosed, PolicyVersionTimeout
+from elasticrl.weights.transfer import WeightFetcher
 
 log = logging.getLogger(__name__)
 
 FETCH_CHUNK_S = 2.0  # one server-side wait; the stop flag is checked between them
 CLOSED_CHECK_S = 2.0
 POLICY_MASK = 0xFFFFFFFF  # the policy version: the low 32 bits of a weights version
+CATCH_UP_EVERY_S = 0.5
+"""How often a worker whose weights are new enough for its tasks still looks for newer ones."""
 
 
 class CoordinatorWeights:
@@ -46,14 +51,16 @@ class CoordinatorWeights:
     generation but an older policy, which must not pass for the policy an earlier generation's
     task asked for."""
 
-    def __init__(self, client: SchedulerClient, run_id: str, engine, lock: threading.RLock, stop: threading.Event | None = None):
-        self.client = client
+    def __init__(self, fetcher: WeightFetcher, run_id: str, engine, lock: threading.RLock, stop: threading.Event | None = None):
+        self.fetcher = fetcher
         self.run_id = run_id
         self.engine = engine
         self.lock = lock
         self.stop = stop or threading.Event()
         self.weights_version = -1
         self.fetches = 0
+        self._fetching = threading.Lock()  # the engine's batches wait here from several threads
+        self._checked_at = -CATCH_UP_EVERY_S
 
     def close(self) -> None:
         """Wake every waiter with ``GateClosed`` (the worker is stopping)."""
@@ -75,22 +82,42 @@ class CoordinatorWeights:
                 raise PolicyVersionTimeout(
                     f"run {self.run_id!r}: no published weights of version >= {max(want, 0):#x} with policy version >= "
                     f"{policy_version} after {timeout_s:.0f}s (this worker has {self.weights_version:#x}); is the trainer "
-                    "running with rollout.publish_weights = true?"
+                    f"running with rollout.publish_weights = true and the same rollout.weights_transfer (this worker: "
+                    f"{self.fetcher.mode!r})? With the relay: can this host reach the trainer's relay port (its log says "
+                    "'serving policy weights to rollout workers at HOST:PORT')?"
                 )
-            got = self.client.fetch_weights(self.run_id, have_version=self.weights_version, wait_s=min(left, FETCH_CHUNK_S))
-            if got is None:
-                continue
-            version, blob = got
-            state = unpack_state_dict(blob)
-            with self.lock:
-                self.engine.update_weights(state.items(), version=version & POLICY_MASK)
-            self.weights_version = version
-            self.fetches += 1
-            log.info("loaded published weights: generation %d, policy version %d (%.1f MB)",
-                     version >> 32, version & POLICY_MASK, len(blob) / 1e6)
+            with self._fetching:
+                if not self.holds(want, policy_version):
+                    self._load(self.fetcher.fetch(self.weights_version, min(left, FETCH_CHUNK_S)))
+
+    def _load(self, got: tuple[int, bytes] | None) -> None:
+        if got is None:
+            return
+        version, blob = got
+        state = unpack_state_dict(blob)
+        with self.lock:
+            self.engine.update_weights(state.items(), version=version & POLICY_MASK)
+        self.weights_version = version
+        self.fetches += 1
+        log.info("loaded published weights: generation %d, policy version %d (%.1f MB)",
+                 version >> 32, version & POLICY_MASK, len(blob) / 1e6)
+
+    def catch_up(self) -> None:
+        """Load a newer published version if there is one now, without waiting (at most every
+        ``CATCH_UP_EVERY_S``): with ``rollout.max_staleness`` >= 1 a task accepts older weights,
+        and drawing with the newest keeps the policy lag small."""
+        now = time.monotonic()
+        if now - self._checked_at < CATCH_UP_EVERY_S or not self._fetching.acquire(blocking=False):
+            return
+        try:
+            self._checked_at = now
+            self._load(self.fetcher.fetch(self.weights_version, 0.0))
+        finally:
+            self._fetching.release()
 
     def wait(self, policy_version: int, weights_version: int, timeout_s: float) -> None:
         self.refresh(weights_version, timeout_s, policy_version)
+        self.catch_up()
 
 
 def default_member_id() -> str:
@@ -113,13 +140,17 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
         signal.signal(signum, lambda *_: stop.set())
     with SchedulerClient(c.address, token=token, tls_ca=c.tls_ca or None, call_timeout_s=c.call_timeout_s,
                          reconnect_timeout_s=c.reconnect_timeout_s) as client:
-        gate = CoordinatorWeights(client, run_id, engine, lock, stop)
+        r = cfg.rollout
+        fetcher = WeightFetcher(client, run_id, member_id, mode=r.weights_transfer, token=token, coordinator_address=c.address,
+                                relay_host=r.relay_host, relay_port=r.relay_port, stop=stop)
+        gate = CoordinatorWeights(fetcher, run_id, engine, lock, stop)
         print(f"elasticrl rollout: waiting for the trainer's weights in run {run_id} at {c.address} ...", flush=True)
         try:
             gate.refresh(-1, cfg.rollout.weights_wait_s)
         except GateClosed:
             print(f"elasticrl rollout: {member_id} stopped before any weights arrived", flush=True)
             engine.close()
+            fetcher.close()
             return 0
         reward = reward_function(cfg.algorithm.rewards, cfg.algorithm.reward_weights, toy_task(cfg))
         runner = build_runner(cfg, parts, engine, lock=lock, reward=reward)
@@ -143,6 +174,7 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
             worker.stop()
             runner.close()
             engine.close()
+            fetcher.close()
         print(f"elasticrl rollout: {member_id} stopping after {worker.groups_done} groups "
               f"({gate.fetches} weight versions loaded)", flush=True)
         if closed or isinstance(worker.error, RunClosedError):

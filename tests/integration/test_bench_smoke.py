@@ -37,3 +37,24 @@ def test_the_coordinator_bench_measures_a_barrier_at_a_toy_size(tmp_path):
                 "--modes", "memory", "--patterns", "burst", "--skip-baselines", "--skip-failure", "--workers", "2")
     (row,) = doc["latency"]
     assert row["members"] == 8 and row["p50_ms"] > 0, row
+
+
+def test_the_async_bench_overlaps_rollout_and_update_at_a_toy_size(tmp_path):
+    doc = bench("async.py", tmp_path, "--ks", "0,1", "--iterations", "3", "--rollout-s", "0.1", "--update-s", "0.1",
+                "--workers", "2", "--tasks", "4", "--timeout-s", "30")
+    rows = {r["max_staleness"]: r for r in doc["async"]}
+    assert set(rows) == {0, 1} and all(r["iterations_per_s"] > 0 for r in rows.values()), doc
+    assert rows[0]["policy_lag"] == {"0": 2 * 4 * 4}, doc  # on-policy: 2 timed iterations x 4 groups x 4 samples
+    assert rows[1]["stale_dropped"] == 0, doc
+    assert "sleeps" in rows[1]["simulated"]
+
+
+def test_the_weights_bench_moves_a_blob_on_every_path_at_a_toy_size(tmp_path):
+    doc = bench("weights.py", tmp_path, "--mb", "4", "--workers", "1,2", "--repeats", "1")
+    rows = {(r["path"], r["workers"]): r for r in doc["weights"]}
+    assert set(rows) == {(p, k) for p in ("coordinator", "relay", "gloo") for k in (1, 2)}, doc
+    assert all(r["seconds"] > 0 for r in rows.values())
+    # The relay's chain: the second worker reads from the first, not from the trainer.
+    assert rows[("relay", 2)]["sources_last"] == {"w0": ["trainer"], "w1": ["w0"]} or \
+        rows[("relay", 2)]["sources_last"] == {"w0": ["w1"], "w1": ["trainer"]}, rows[("relay", 2)]
+    assert rows[("relay", 2)]["busiest_sender_mb"] == 4 and rows[("coordinator", 2)]["busiest_sender_mb"] == 8

@@ -1,6 +1,7 @@
 """``elasticrl rollout`` end to end: rollout-only workers join a running run, draw groups with the
-weights the trainer publishes through the coordinator, and leave (one SIGKILLed, one at the end)
-without the trainer restarting or missing an iteration."""
+weights the trainer publishes (through the relay: the second worker gets them from the first, a
+peer), and leave (one SIGKILLed, one at the end) without the trainer restarting or missing an
+iteration."""
 
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ def test_rollout_only_workers_join_and_leave_a_running_run(tmp_path):
         first = rollout_worker("rollout-a")
         wait_until(lambda: groups_by("rollout-a") > 0 or trainer.poll() is not None, 90, message="rollout-a drawing groups")
         assert trainer.poll() is None, (tmp_path / "demo.log").read_text()
+        second = rollout_worker("rollout-b")  # joins mid-run: its first weights come from rollout-a
+        wait_until(lambda: groups_by("rollout-b") > 0 or second.poll() is not None, 90, message="rollout-b drawing groups")
         killed_at = reported(out)
         os.killpg(first.pid, signal.SIGKILL)  # gone without a word: its lease lapses, its tasks go back
         first.wait(timeout=10)
-        second = rollout_worker("rollout-b")
         assert second.wait(timeout=180) == 0, (tmp_path / "rollout-b.log").read_text()
         assert trainer.wait(timeout=60) == 0, (tmp_path / "demo.log").read_text()
     finally:
@@ -81,6 +83,9 @@ def test_rollout_only_workers_join_and_leave_a_running_run(tmp_path):
 
     b_log = (tmp_path / "rollout-b.log").read_text()
     assert "is closed (training finished)" in b_log, b_log
+    loads = [line for line in b_log.splitlines() if "elasticrl.weights.transfer" in line and "MB from" in line]
+    assert loads and "from rollout-a [0," in loads[0], loads[:3]  # a peer, not the trainer
+    assert any("from rank-0" in line for line in loads[1:]), loads  # after rollout-a died: the trainer
     demo_log = (tmp_path / "demo.log").read_text()
     assert "resumed from iteration" not in demo_log, "the trainer restarted for a rollout worker"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -51,6 +51,10 @@ def test_toml_ints_are_accepted_for_float_fields(tmp_path):
         (["--trainer.learning_rate=1"], r"unknown key 'learning_rate'; \[trainer\] has strategy, zero_stage"),
         (["--trainer.lr"], r"--trainer.lr: missing value"),
         (["trainer.lr=1"], r"expected --section.key=value"),
+        (["--rollout.max_staleness=-1"], r"rollout.max_staleness: -1 must be an integer in 0..64 \(0: on-policy"),
+        (["--rollout.max_staleness=1.5"], r"--rollout.max_staleness: '1.5' is not an integer"),
+        (["--algorithm.off_policy_correction=vtrace"], r"algorithm.off_policy_correction: 'vtrace' is not one of tis, none"),
+        (["--algorithm.tis_cap=0.5"], r"algorithm.tis_cap: 0.5 must be >= 1"),
     ],
 )
 def test_bad_values_say_what_is_wrong_and_how_to_fix_it(overrides, message):
@@ -110,6 +114,7 @@ def test_lists_and_tables_from_toml_and_overrides(tmp_path):
         (["--checkpoint.export_hf=out"], r"checkpoint.export_hf: only model.kind = hf"),
         (["--trainer.bf16=true"], r"trainer.bf16: bf16 compute needs GPUs"),
         (["--run.rl_phase=train"], r"run.rl_phase: 'train' must be one of both, rollout, update"),
+        (["--run.rl_phase=rollout", "--rollout.max_staleness=1"], r"rollout.max_staleness: 1 overlaps rollout with the update"),
     ],
 )
 def test_cross_section_checks(overrides, message):

@@ -219,3 +219,83 @@ def test_the_config_offers_exactly_the_loss_kinds_and_aggregations_implemented_h
 
     assert sorted(config.LOSSES) == sorted(loss.LOSS_KINDS)
     assert sorted(config.AGGREGATIONS) == sorted(loss.AGGREGATIONS)
+
+
+# -- off-policy correction (decoupled objective, truncated importance weights) --------------------
+
+
+@pytest.mark.parametrize("kind", ["grpo_clip", "reinforce"])
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_with_behaviour_equal_to_proximal_the_weight_is_one_and_the_loss_the_plain_one(kind, aggregation):
+    logprobs, mask, adv = _inputs()
+    old = logprobs.detach() - 0.1 * torch.rand(3, 4)
+    counts = dict(num_tokens=8.0, num_sequences=3.0, kind=kind, aggregation=aggregation)
+    plain, _ = policy_loss(logprobs, old, adv, mask, **counts)
+    (plain_grad,) = torch.autograd.grad(plain, logprobs)
+    decoupled, stats = policy_loss(logprobs, old, adv, mask, proximal_logprobs=old.clone(), tis_cap=2.0, **counts)
+    (decoupled_grad,) = torch.autograd.grad(decoupled, logprobs)
+    assert torch.equal(plain, decoupled)
+    assert torch.equal(plain_grad, decoupled_grad)
+    assert stats["tis_weight_mean"] == 1.0 and stats["tis_capped_fraction"] == 0.0
+
+
+def test_the_ratio_is_taken_against_the_proximal_policy_and_weighted_by_prox_over_behaviour():
+    # One token per sample. Behaviour drew it with log p = -1.0; the proximal policy (the trainer
+    # before this update) has -0.8: w = e^0.2. The current policy equals the proximal one: ratio 1.
+    behaviour = torch.full((2, 1), -1.0)
+    prox = torch.full((2, 1), -0.8)
+    logprobs = prox.clone().requires_grad_()
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = policy_loss(logprobs, behaviour, adv, torch.ones(2, 1), num_tokens=2.0, proximal_logprobs=prox)
+    w = math.exp(0.2)
+    assert loss.item() == pytest.approx(-(w * 1.0 + w * -1.0) / 2.0)
+    loss.backward()
+    # d/dlogp of w * ratio * A at ratio 1 is w * A: the REINFORCE gradient scaled by the weight.
+    assert torch.allclose(logprobs.grad, torch.tensor([[-w / 2.0], [w / 2.0]]))
+    assert stats["clip_fraction"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["tis_weight_mean"] == pytest.approx(w)
+    # Against the behaviour logprobs (plain PPO) the same policy would sit at ratio e^0.2 > 1.2: clipped.
+    _, plain = policy_loss(logprobs.detach(), behaviour, adv, torch.ones(2, 1), num_tokens=2.0)
+    assert plain["clip_fraction"] == 0.5
+
+
+def test_importance_weights_are_truncated_at_the_cap_and_carry_no_gradient():
+    behaviour = torch.tensor([[-5.0, -1.0, -0.5]])  # a token the old policy found very unlikely
+    prox = torch.tensor([[-1.0, -1.0, -1.0]])  # weights e^4 (capped), 1, e^-0.5
+    logprobs = prox.clone().requires_grad_()
+    mask = torch.ones(1, 3)
+    loss, stats = policy_loss(logprobs, behaviour, torch.tensor([1.0]), mask, num_tokens=3.0, kind="reinforce",
+                              proximal_logprobs=prox, tis_cap=2.0)
+    loss.backward()
+    weights = torch.tensor([[2.0, 1.0, math.exp(-0.5)]])
+    assert torch.allclose(logprobs.grad, -weights / 3.0)
+    assert stats["tis_capped_fraction"] == pytest.approx(1 / 3)
+    assert stats["tis_weight_mean"] == pytest.approx(weights.mean().item())
+    assert all(torch.isfinite(logprobs.grad).ravel())
+
+
+def test_the_clip_still_bounds_the_step_away_from_the_proximal_policy():
+    # The current policy moved e^0.5 away from the proximal one with A > 0: clipped, no gradient,
+    # whatever the (capped) weight of the behaviour policy.
+    prox = torch.zeros(1, 1)
+    logprobs = torch.full((1, 1), 0.5, requires_grad=True)
+    loss, stats = policy_loss(logprobs, torch.full((1, 1), -3.0), torch.tensor([1.0]), torch.ones(1, 1), num_tokens=1.0,
+                              proximal_logprobs=prox, tis_cap=2.0)
+    loss.backward()
+    assert logprobs.grad.item() == 0.0 and stats["clip_fraction"] == 1.0
+    assert loss.item() == pytest.approx(-2.0 * 1.2)
+
+
+def test_padding_holds_any_proximal_logprob_without_nan():
+    logprobs, mask, adv = _inputs()
+    prox = logprobs.detach().clone()
+    prox[mask == 0] = 80.0  # exp(80 - old) would overflow a float32 weight if it were not masked first
+    loss, _ = policy_loss(logprobs, logprobs.detach(), adv, mask, num_tokens=8.0, proximal_logprobs=prox)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+def test_a_cap_below_one_is_refused():
+    logprobs, mask, adv = _inputs()
+    with pytest.raises(ValueError, match="tis_cap: 0.5 must be >= 1"):
+        policy_loss(logprobs, logprobs.detach(), adv, mask, num_tokens=8.0, proximal_logprobs=logprobs.detach(), tis_cap=0.5)

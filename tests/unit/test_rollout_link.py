@@ -37,6 +37,7 @@ from elasticrl.train.rollout_link import (
     iteration_tasks,
 )
 from elasticrl.train.rollout_only import CoordinatorWeights
+from elasticrl.train.staleness import IdleMeter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,6 +55,7 @@ def engine(model, vocab, task, version: int = 7, reward=None, make_env=None) -> 
     w.gate, w.stop_token_ids, w.version_timeout_s, w.groups_done, w.groups_failed = VersionGate(version), (), 5.0, 0, 0
     w.transcript_with_prompt = False
     w.error, w._failures, w._failures_lock, w._stop = None, 0, threading.Lock(), None
+    w.idle = IdleMeter()
     return w
 
 
@@ -215,13 +217,13 @@ def test_closing_the_gate_wakes_a_waiting_engine_thread_at_once():
 
 
 class FakeWeightsClient:
-    """The coordinator's published weights as a list of versions (fetch_weights' seam)."""
+    """Published weights as a list of versions (the seam of ``WeightFetcher.fetch``)."""
 
     def __init__(self, versions):
         self.versions = list(versions)
         self.asked = []
 
-    def fetch_weights(self, run_id, have_version, wait_s):
+    def fetch(self, have_version, wait_s):
         self.asked.append(have_version)
         newer = [v for v in self.versions if v > have_version]
         if not newer:
@@ -321,3 +323,62 @@ def test_a_group_whose_env_fails_comes_back_as_a_failed_attempt_not_an_engine_fa
     finally:
         w.runner.close()
     assert w.error is None and w.groups_failed == 8
+
+
+def test_a_group_is_stamped_with_the_version_the_engine_drew_it_with_not_the_tasks_minimum():
+    """With rollout.max_staleness a task names the oldest version it accepts; the group records
+    the engine's own (newer) version, which the trainer's lag and staleness bound are computed from."""
+    torch.manual_seed(0)
+    vocab, task = CharVocab(), make_task("reverse", 3)
+    specs = iteration_tasks(rows_of(task.sample(random.Random(3), 2)), iteration=9, seed=1, group_size=2,
+                            max_new_tokens=3, temperature=1.0, policy_version=5)
+    w = engine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, task, version=8)
+    w.idle.take()
+    try:
+        groups = w._generate_batch([Assignment(9, s, 10.0, False) for s in specs])
+    finally:
+        w.runner.close()
+    assert [g.policy_version for g in groups] == [8, 8]
+    assert w.idle.take() < 1.0  # the engine had work in hand for part of the time
+
+
+def test_an_episode_whose_weights_change_between_turns_records_the_oldest_version():
+    torch.manual_seed(0)
+    vocab, task = CharVocab(), make_task("reverse", 3)
+    lock = threading.RLock()
+    tiny = TinyEngine(TinyCausalLM(ModelConfig(), len(vocab)), vocab, lock=lock, policy_version=4)
+
+    class TwoTurns:
+        def reset(self, *, seed=None, options=None):
+            return "12=", {}
+
+        def step(self, action):
+            with lock:
+                first = tiny.policy_version == 4
+                tiny.set_version(6)  # the trainer pushed a newer policy between the two turns
+            return ("34=", 0.0, False, False, {}) if first else ("", 1.0, True, False, {})
+
+    runner = EpisodeRunner(tiny, PlainRenderer(CharCodec(vocab).encode), TwoTurns, EpisodeSettings(max_turns=2, step_timeout_s=5.0),
+                           engine_lock=lock, decode=vocab.decode)
+    from elasticrl.rollout.engine import SamplingSpec
+    from elasticrl.rollout.episodes import GroupTask
+
+    try:
+        (outcome,) = runner.play([GroupTask(task_id="t", row={}, episodes=1, seed=1, sampling=SamplingSpec(max_new_tokens=2))])
+    finally:
+        runner.close()
+    (episode,) = outcome.episodes
+    assert episode.turns == 2 and episode.policy_version == 4
+
+
+def test_a_rollout_only_gate_catches_up_to_the_newest_version_when_its_tasks_accept_older(monkeypatch):
+    """With rollout.max_staleness >= 1 a task's minimum version may be older than the newest
+    published one: the worker still loads the newest (without waiting for it), so its lag stays small."""
+    monkeypatch.setattr("elasticrl.train.rollout_only.unpack_state_dict", lambda blob: {})
+    monkeypatch.setattr("elasticrl.train.rollout_only.CATCH_UP_EVERY_S", 0.0)
+    client = FakeWeightsClient([1, 2])
+    engine = RecordingEngine()
+    gate = CoordinatorWeights(client, "r.rollout", engine, threading.RLock())
+    gate.wait(1, 1, 5)
+    assert engine.loaded == [1, 2] and gate.weights_version == 2
+    assert client.asked[-1] == 1  # the catch-up asked for anything newer than what the task needed

@@ -64,6 +64,18 @@ def test_older_iteration_is_served_first():
     assert [(i, s.task_id) for i, s, _, _ in msg.items] == [(1, "t00"), (1, "t01"), (2, "t00")]
 
 
+def test_the_lower_iteration_is_served_first_even_when_submitted_later():
+    """Iterations submitted ahead (rollout.max_staleness) or one submitted again after a trainer
+    restart: the lowest number, which the trainer waits for, is handed out first."""
+    h = Harness()
+    h.sched.submit(RUN, 3, specs(2), IterationConfig())
+    h.clock.now += 1
+    h.sched.submit(RUN, 2, specs(2), IterationConfig())
+    a = h.worker("a", slots=3)
+    [msg] = drain(a)
+    assert [(i, s.task_id) for i, s, _, _ in msg.items] == [(2, "t00"), (2, "t01"), (3, "t00")]
+
+
 def test_connect_needs_a_live_member_with_that_incarnation():
     h = Harness()
     with pytest.raises(NotFoundError):

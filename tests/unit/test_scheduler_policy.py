@@ -284,11 +284,13 @@ def test_balance_shards_rejects_bad_world_size():
 # -- order of iterations -------------------------------------------------------------------------
 
 
-def test_oldest_open_skips_sealed_and_orders_by_submit_time_then_number():
+def test_oldest_open_skips_sealed_and_orders_by_number_whatever_the_submit_time():
+    """Iteration 1 submitted last (again, by a trainer resumed from an older checkpoint) still
+    comes first: the trainer waits for it, not for the ones submitted ahead."""
     its = []
     for number, at in ((3, 5.0), (1, 9.0), (2, 5.0), (4, 1.0)):
         it = make_iteration(1, submitted_at=at)
         it.iteration = number
         its.append(it)
     its[3].sealed_at = 2.0
-    assert [it.iteration for it in policy.oldest_open(its)] == [2, 3, 1]
+    assert [it.iteration for it in policy.oldest_open(its)] == [1, 2, 3]
