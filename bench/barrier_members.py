@@ -35,6 +35,9 @@ import time
 import traceback
 
 
+JOINS_IN_FLIGHT = 64
+
+
 class CoordinatorMembers:
     """Members that join the elasticrl coordinator, keep their leases and arrive at leased barriers.
 
@@ -65,9 +68,18 @@ class CoordinatorMembers:
         session = self.cfg.get("transport", "unary") == "session"
         self.sessions = [None] * len(members) if session else []
         self.keepalives = [None] * len(members)
-        await asyncio.gather(*(self._join(i, m) for i, m in enumerate(members)))
+        # At most JOINS_IN_FLIGHT members of this process between their join and their session's
+        # first keep-alive: each real member is its own process, whose keep-alive follows its join
+        # at once; a thousand joins queued in one event loop would leave the first ones' replies
+        # unread past their lease (the coordinator still sees every worker process join at once).
+        gate = asyncio.Semaphore(JOINS_IN_FLIGHT)
+        await asyncio.gather(*(self._join(i, m, gate) for i, m in enumerate(members)))
 
-    async def _join(self, i: int, member: str) -> None:
+    async def _join(self, i: int, member: str, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            await self._join_one(i, member)
+
+    async def _join_one(self, i: int, member: str) -> None:
         client = self._client(i)
         j = await client.join(self.run_id, member, host="bench", lease_ttl_s=self.cfg["lease_ttl_s"])
         self.refs[i] = (j.member_id, j.incarnation)

@@ -273,6 +273,7 @@ class CoordinatorCore(KeyValueOps):
         run.epoch = epoch
         run.members[member_id] = member
         run.live_count += 1
+        run.lease_floor = min(run.lease_floor, member.lease_deadline)
         self.metrics.joins.inc(run=run_id)
         log.info(
             "run %s: member %s joined (incarnation %d, host %s, weight %g) -> epoch %d, %d live",
@@ -397,16 +398,21 @@ class CoordinatorCore(KeyValueOps):
             )
             self.metrics.evictions.inc(run=run_id, reason="stream_lost")
 
-    def tick(self) -> None:
+    def tick(self, stalled_s: float = 0.0) -> None:
         """Evict expired leases and broken streams, decide whatever passed its deadline. Called
-        every tick."""
+        every tick; ``stalled_s``: seconds the coordinator could not listen (``policy.stall_credit``),
+        added to every live lease first."""
         now = self.clock()
         if self._stream_lost:
             self._evict_lost_streams(now)
         for run in list(self.runs.values()):
-            for m in policy.expired_members(run, now):
-                self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")
-                self.metrics.evictions.inc(run=run.run_id, reason="lease_expired")
+            if stalled_s:
+                policy.extend_leases(run, stalled_s)
+            if now >= run.lease_floor:  # else no lease can have expired: no O(members) scan this tick
+                for m in policy.expired_members(run, now):
+                    self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")
+                    self.metrics.evictions.inc(run=run.run_id, reason="lease_expired")
+                run.lease_floor = policy.lease_floor(run)
             for barrier in list(run.open_barriers.values()):
                 if now >= barrier.deadline:
                     self._decide_barrier(run, barrier)

@@ -8,6 +8,7 @@ and no sleeps (``tests/unit/test_policy.py``). ``core`` applies the decisions.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 from elasticrl.coordinator.state import (
@@ -25,6 +26,30 @@ def expired_members(run: Run, now: float) -> list[Member]:
     """Live members whose lease deadline has passed, oldest deadline first."""
     gone = [m for m in run.members.values() if m.live and now >= m.lease_deadline]
     return sorted(gone, key=lambda m: m.lease_deadline)
+
+
+STALL_CREDIT_MIN_S = 0.1
+"""A tick this late or later means the coordinator was too busy to read what reached it."""
+
+
+def stall_credit(late_s: float, *, tick_s: float) -> float:
+    """Seconds by which to push back every live lease after a tick that ran ``late_s`` after it
+    was due: time the coordinator spent unable to read its sockets (an overloaded event loop, a
+    join storm of thousands of members) must not count against leases, whose keep-alives may be
+    waiting, unread, in its queues. A dead member is then evicted that much later, never earlier;
+    a member whose process died is still evicted at once by its stream breaking."""
+    return late_s if late_s >= max(STALL_CREDIT_MIN_S, 2 * tick_s) else 0.0
+
+
+def extend_leases(run: Run, seconds: float) -> None:
+    for m in run.members.values():
+        if m.live:
+            m.lease_deadline += seconds
+
+
+def lease_floor(run: Run) -> float:
+    """The earliest lease deadline of a live member (infinity without one)."""
+    return min((m.lease_deadline for m in run.members.values() if m.live), default=math.inf)
 
 
 def next_deadline(run: Run) -> float | None:

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from elasticrl.coordinator import validate
+from elasticrl.coordinator import policy, validate
 from elasticrl.coordinator.core import DEFAULT_STREAM_GRACE_S, CoordinatorCore, Limits
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
 from elasticrl.coordinator.persist import StateDB
@@ -324,12 +324,21 @@ class CoordinatorServer:
         )
 
     async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
+            late = loop.time() - due
+            credit = policy.stall_credit(late, tick_s=self.config.tick_s)
+            if credit:
+                (log.warning if credit >= 1.0 else log.debug)(
+                    "the coordinator was too busy to read for %.2fs (its tick ran late); every live lease is extended by "
+                    "that much, so no member is evicted for keep-alives still waiting in its queues", credit)
             try:
-                self.core.tick()
+                self.core.tick(stalled_s=credit)
                 self.scheduler.tick()
             except Exception:  # noqa: BLE001 - one bad tick must not stop eviction for good
                 log.exception("coordinator tick failed; retrying next tick")
+            due = loop.time() + self.config.tick_s
             await asyncio.sleep(self.config.tick_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:

@@ -144,6 +144,9 @@ class Run:
     # len(live_members()), kept up to date by the core on every join and departure (and counted
     # once at load): counting on each change made a join storm of N members cost O(N^2).
     live_count: int = 0
+    # No live lease ends before this (keep-alives only push deadlines later, joins lower it): the
+    # tick scans the members for expired leases only once it passes, not every tick. 0: scan.
+    lease_floor: float = 0.0
 
     def live_members(self) -> dict[str, Member]:
         return {m.member_id: m for m in self.members.values() if m.live}

@@ -330,3 +330,41 @@ def test_the_live_count_follows_joins_rejoins_leaves_evictions_and_a_restart(clo
     core.db.close()
     reloaded = CoordinatorCore(StateDB(path), lease_ttl_s=1.0, clock=clock)
     assert reloaded.runs["r"].live_count == len(reloaded.runs["r"].live_members()) == 2
+
+
+def test_time_the_coordinator_could_not_listen_does_not_count_against_leases(core, clock):
+    """An overloaded coordinator (a late tick) credits every live lease with the stall: the
+    keep-alives it did not read yet must not get their members evicted. A dead member is evicted
+    that much later, not earlier."""
+    from elasticrl.coordinator import policy
+
+    assert policy.stall_credit(0.06, tick_s=0.05) == 0.0  # an ordinary late tick: no credit
+    assert policy.stall_credit(2.6, tick_s=0.05) == 2.6
+    a, _ = core.join("r", "a")  # lease until 101.0
+    clock.now += 0.9
+    core.tick()
+    clock.now += 2.6  # the event loop was busy for 2.6 s: a's keep-alives sat unread
+    core.tick(stalled_s=2.6)
+    assert core.runs["r"].members["a"].live  # its lease now ends at 103.6
+    clock.now += 0.2
+    core.tick()
+    assert core.runs["r"].members["a"].status is MemberStatus.EVICTED
+
+
+def test_leases_are_scanned_only_once_the_earliest_can_have_expired_and_still_expire_on_time(core, clock):
+    a, _ = core.join("r", "a")  # lease until 101.0
+    clock.now += 0.5
+    core.tick()
+    assert core.runs["r"].lease_floor == 101.0
+    b, _ = core.join("r", "b", lease_ttl_s=0.2)  # a shorter lease lowers the floor: until 100.7
+    assert core.runs["r"].lease_floor == 100.7
+    clock.now += 0.3
+    core.tick()
+    assert core.runs["r"].members["b"].status is MemberStatus.EVICTED and core.runs["r"].members["a"].live
+    core.keep_alive("r", "a", a.incarnation)  # until 101.8; the floor (101.0) is only a lower bound
+    clock.now += 0.3
+    core.tick()  # 101.1: a scan, nothing expired, the floor moves to 101.8
+    assert core.runs["r"].members["a"].live and core.runs["r"].lease_floor == pytest.approx(101.8)
+    clock.now += 0.75
+    core.tick()
+    assert core.runs["r"].members["a"].status is MemberStatus.EVICTED
