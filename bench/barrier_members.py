@@ -6,7 +6,8 @@ commands on stdin, replies on stdout, each reply naming its ``op``. Commands:
 
 * ``{"op": "setup", "impl": ..., "members": [...], "ranks": [...], "world": N, ...}``: join the
   coordinator (and start one keep-alive loop per member; with ``"transport": "session"`` each
-  member also opens its Session stream), connect TCPStore clients, or prepare the flag
+  member also opens its Session stream, with ``"batched"`` all members of the process share one
+  stream, whose operations go in batch messages), connect TCPStore clients, or prepare the flag
   directory. Replied once every member is ready.
 * ``{"op": "round", "name": B, "hold": R}``: every member of this process arrives at barrier
   ``B`` at once, except rank ``R`` (if it lives here), which waits for ``go``. The round runs in
@@ -36,13 +37,18 @@ import traceback
 
 
 JOINS_IN_FLIGHT = 64
+# Members per shared Session stream with transport "batched": the coordinator lets one stream have
+# at most SESSION_MAX_ARRIVALS (1024) arrivals waiting, so a process with more opens more streams.
+MEMBERS_PER_STREAM = 1024
 
 
 class CoordinatorMembers:
     """Members that join the elasticrl coordinator, keep their leases and arrive at leased barriers.
 
     ``transport`` "unary": one Arrive / KeepAlive call per operation; "session": each member
-    opens one Session stream after joining and sends both as messages on it.
+    opens one Session stream after joining and sends both as messages on it; "batched": one
+    Session stream for the whole process (``AsyncSession.member``), operations queued together
+    going as one batch message.
     """
 
     def __init__(self, cfg: dict):
@@ -53,7 +59,8 @@ class CoordinatorMembers:
         n_channels = 1 if cfg.get("shared_channel") else len(cfg["members"])
         self.clients = [AsyncCoordinatorClient(cfg["address"], call_timeout_s=30, reconnect_timeout_s=10) for _ in range(n_channels)]
         self.refs: list[tuple[str, int]] = []
-        self.sessions: list = []  # one AsyncSession per member with transport "session"
+        self.sessions: list = []  # per member: its AsyncSession ("session") or SessionMember ("batched")
+        self.shared: dict[int, object] = {}  # with transport "batched": the process's AsyncSession(s)
         self.keepalives: list[asyncio.Task] = []
 
     def _client(self, i: int):
@@ -65,7 +72,7 @@ class CoordinatorMembers:
         # one has joined (a 4096-member storm takes longer than a 5 s TTL on 2 cores).
         members = self.cfg["members"]
         self.refs = [("", 0)] * len(members)
-        session = self.cfg.get("transport", "unary") == "session"
+        session = self.cfg.get("transport", "unary") in ("session", "batched")
         self.sessions = [None] * len(members) if session else []
         self.keepalives = [None] * len(members)
         # At most JOINS_IN_FLIGHT members of this process between their join and their session's
@@ -83,7 +90,13 @@ class CoordinatorMembers:
         client = self._client(i)
         j = await client.join(self.run_id, member, host="bench", lease_ttl_s=self.cfg["lease_ttl_s"])
         self.refs[i] = (j.member_id, j.incarnation)
-        if self.sessions:
+        if self.cfg.get("transport") == "batched":
+            shared = self.shared.get(i // MEMBERS_PER_STREAM)
+            if shared is None:
+                shared = self.shared[i // MEMBERS_PER_STREAM] = client.session(self.run_id, j.member_id, j.incarnation)
+            self.sessions[i] = shared.member(j.member_id, j.incarnation)
+            await self.sessions[i].keep_alive()  # the first opens the stream; each attaches its member
+        elif self.sessions:
             self.sessions[i] = client.session(self.run_id, j.member_id, j.incarnation)
             await self.sessions[i].keep_alive()  # opens the stream
         self.keepalives[i] = asyncio.create_task(self._keep_alive(i))
@@ -127,7 +140,10 @@ class CoordinatorMembers:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(session.close() for session in self.sessions if session is not None))
+        if self.shared:
+            await asyncio.gather(*(session.close() for session in self.shared.values()))
+        else:
+            await asyncio.gather(*(session.close() for session in self.sessions if session is not None))
         for client in self.clients:
             await client.close()
 

@@ -489,29 +489,55 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("id", "keep_alive", "arrive", "close")
+    __slots__ = ("id", "keep_alive", "arrive", "close", "batch")
     ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     ARRIVE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     id: int
     keep_alive: KeepAliveRequest
     arrive: ArriveRequest
     close: SessionClose
-    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
+    batch: SessionBatch
+    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[SessionBatch, _Mapping]] = ...) -> None: ...
 
 class SessionClose(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SessionBatch(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[SessionRequest]
+    def __init__(self, ops: _Optional[_Iterable[_Union[SessionRequest, _Mapping]]] = ...) -> None: ...
+
 class SessionResponse(_message.Message):
-    __slots__ = ("id", "keep_alive", "arrive", "error")
+    __slots__ = ("id", "keep_alive", "arrive", "error", "batch")
     ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     ARRIVE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     id: int
     keep_alive: KeepAliveResponse
     arrive: ArriveResponse
     error: Error
-    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., arrive: _Optional[_Union[ArriveResponse, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    batch: SessionResponseBatch
+    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., arrive: _Optional[_Union[ArriveResponse, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., batch: _Optional[_Union[SessionResponseBatch, _Mapping]] = ...) -> None: ...
+
+class SessionResponseBatch(_message.Message):
+    __slots__ = ("results", "shared")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SessionResponse]
+    shared: _containers.RepeatedCompositeFieldContainer[SharedSessionResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ..., shared: _Optional[_Iterable[_Union[SharedSessionResponse, _Mapping]]] = ...) -> None: ...
+
+class SharedSessionResponse(_message.Message):
+    __slots__ = ("ids", "response")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    response: SessionResponse
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., response: _Optional[_Union[SessionResponse, _Mapping]] = ...) -> None: ...

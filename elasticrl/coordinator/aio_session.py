@@ -11,6 +11,11 @@ When the stream breaks with UNAVAILABLE (or the server ends it), the session reo
 flight (keep-alives and arrivals are idempotent); past that budget the pending operations fail
 with ``CoordinatorUnavailableError`` and the next operation starts a fresh attempt.
 
+One session may carry many members of its run (``member()``: a process hosting several members,
+a node agent): their operations share the stream, and requests queued together go as one
+``SessionBatch`` message, answered in batches too (grpc.aio's cost is per message, not per
+operation); a lone request still goes as itself, so a one-member session's wire is unchanged.
+
 ``AsyncCoordinatorClient.session()`` builds one from its stub, metadata and timeouts; this module
 does not import the client (the client imports it).
 """
@@ -48,6 +53,35 @@ def worth_reopening(err: grpc.RpcError) -> bool:
     return code == grpc.StatusCode.INTERNAL and not any(k == codes.ERROR_KEY for k, _ in err.trailing_metadata() or ())
 
 
+BATCH_MAX = 4096
+"""Operations one batch message carries at most."""
+
+
+async def batched_requests(outbox: asyncio.Queue):
+    """The request iterator of one stream: what is put in ``outbox`` until a None ends it, every
+    request already queued when the stream is ready for the next message going as one ``batch``
+    (a lone request goes as itself, so a one-member session's wire is unchanged; ``close`` is never
+    batched)."""
+    nothing = held = object()  # ``held``: taken while batching but not batchable, sent next
+    while True:
+        request = await outbox.get() if held is nothing else held
+        held = nothing
+        if request is None:
+            return
+        if outbox.qsize() and request.WhichOneof("op") != "close":
+            ops = [request]
+            while len(ops) < BATCH_MAX and outbox.qsize():
+                nxt = outbox.get_nowait()
+                if nxt is None or nxt.WhichOneof("op") == "close":
+                    held = nxt
+                    break
+                ops.append(nxt)
+            if len(ops) > 1:
+                # Each inner op keeps its id; ``extend`` copies, so the originals stay re-sendable.
+                request = pb.SessionRequest(batch=pb.SessionBatch(ops=ops))
+        yield request
+
+
 class _Op:
     """One operation in flight: its request (re-sent as is after a reconnect) and its future."""
 
@@ -62,7 +96,8 @@ class _Op:
 
 
 class AsyncSession:
-    """One member's Session stream. Use it from the event loop it was created on.
+    """One member's Session stream (and others', see ``member``). Use it from the event loop it
+    was created on.
 
     Opened lazily by the first operation; ``close()`` ends the stream and fails what is pending.
     Raises the ``elasticrl.errors`` classes, like ``AsyncCoordinatorClient``.
@@ -98,13 +133,14 @@ class AsyncSession:
         self._outbox: asyncio.Queue | None = None
         self._runner: asyncio.Task | None = None
         self._closed = False
+        # (barrier name, the last decided response decoded, its result): see ``_outcome``.
+        self._last_outcome: tuple[str, pb.ArriveResponse, BarrierResult] | None = None
 
     # -- operations --------------------------------------------------------------------------
 
     async def keep_alive(self) -> int:
         """Renew the lease; returns the run's epoch (``FencedError`` if this incarnation is not live)."""
-        resp = await self._op(pb.SessionRequest(keep_alive=self._keep_alive_request), self.call_timeout_s)
-        return resp.keep_alive.epoch
+        return await self._keep_alive(self._keep_alive_request)
 
     async def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing", epoch: int = 0) -> BarrierResult:
         """Arrive at barrier ``name`` and return once it is decided (``AsyncCoordinatorClient.arrive``'s contract).
@@ -112,19 +148,52 @@ class AsyncSession:
         Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
         ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``.
         """
+        return await self._arrive(self.member_id, self.incarnation, name, timeout_s=timeout_s, policy=policy, epoch=epoch)
+
+    def member(self, member_id: str, incarnation: int) -> "SessionMember":
+        """Another joined member of the same run whose operations ride this session's stream.
+
+        One process with many members (a node agent, a bench) then has one stream, and operations
+        queued together go as one batch message (the coordinator answers in batches too): the
+        cost of a message is paid once per batch instead of once per member. When the stream
+        breaks without ``close``, every member that kept alive on it is evicted after the grace.
+        """
+        return SessionMember(self, member_id, incarnation)
+
+    async def _keep_alive(self, request: pb.KeepAliveRequest) -> int:
+        resp = await self._op(pb.SessionRequest(keep_alive=request), self.call_timeout_s)
+        return resp.keep_alive.epoch
+
+    async def _arrive(
+        self, member_id: str, incarnation: int, name: str, *, timeout_s: float, policy: str = "evict_missing", epoch: int = 0,
+    ) -> BarrierResult:
         give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self.reconnect_timeout_s
         while True:
             wait_s = max(0.05, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
             request = wire.arrive_request(
-                self.run_id, self.member_id, self.incarnation, name,
+                self.run_id, member_id, incarnation, name,
                 timeout_s=timeout_s, policy=policy, epoch=epoch, wait_s=wait_s,
             )
             resp = await self._op(pb.SessionRequest(arrive=request), wait_s + DEADLINE_SLACK_S)
-            result = wire.arrive_outcome(name, resp.arrive)
+            result = self._outcome(name, resp.arrive)
             if result is not None:
                 return result
             if time.monotonic() >= give_up:
                 raise CoordinatorTimeoutError(f"barrier {name!r} was not decided within {timeout_s:.3f}s")
+
+    def _outcome(self, name: str, response: pb.ArriveResponse) -> BarrierResult | None:
+        """``wire.arrive_outcome``, but the members of this session that get the same decided
+        response share its decoding (each response lists every member: decoding it once per member
+        made a release O(N^2) here); each still gets its own lists."""
+        if response.outcome != pb.BARRIER_OUTCOME_COMPLETED:
+            return wire.arrive_outcome(name, response)
+        hit = self._last_outcome
+        if hit is not None and hit[0] == name and (hit[1] is response or hit[1] == response):
+            r = hit[2]
+            return BarrierResult(r.outcome, list(r.arrived), list(r.evicted), list(r.missing), r.epoch, r.reason)
+        result = wire.arrive_outcome(name, response)
+        self._last_outcome = (name, response, result)
+        return result
 
     async def close(self) -> None:
         """End the stream; operations still pending fail with ``CoordinatorUnavailableError``."""
@@ -170,6 +239,12 @@ class AsyncSession:
             e = resp.error
             raise codes.error_from_status(e.code, e.error_class, e.message, self.address)
         return resp
+
+    def _resolve(self, request_id: int, resp: pb.SessionResponse) -> None:
+        op = self._pending.get(request_id)
+        if op is not None and not op.future.done():
+            op.future.set_result(resp)
+        # else: the answer to an operation that already timed out or was cancelled
 
     def _send(self, op: _Op) -> None:
         self._outbox.put_nowait(op.request)
@@ -230,7 +305,7 @@ class AsyncSession:
         opening has ``call_timeout_s``, and the channel's keepalive pings notice a dead peer.
         """
         outbox: asyncio.Queue = asyncio.Queue()
-        call = self._stub.Session(wire.stream_requests(outbox), metadata=self._metadata)
+        call = self._stub.Session(batched_requests(outbox), metadata=self._metadata)
         up = False
         try:
             # The server sends initial metadata as soon as the stream is up. Nothing is written
@@ -246,10 +321,15 @@ class AsyncSession:
                 for op in list(self._pending.values()):
                     self._send(op)  # in flight when the last stream broke, or queued meanwhile
             async for resp in call:
-                op = self._pending.get(resp.id)
-                if op is not None and not op.future.done():
-                    op.future.set_result(resp)
-                # else: the answer to an operation that already timed out or was cancelled
+                if resp.WhichOneof("result") == "batch":
+                    for one in resp.batch.results:
+                        self._resolve(one.id, one)
+                    for group in resp.batch.shared:  # one response for many ids
+                        one = group.response
+                        for request_id in group.ids:
+                            self._resolve(request_id, one)
+                else:
+                    self._resolve(resp.id, resp)
             return up, "the coordinator ended the stream"
         except grpc.RpcError as err:
             if worth_reopening(err):
@@ -266,3 +346,26 @@ class AsyncSession:
                 if op.timer is not None:
                     op.timer.cancel()  # off the wire: the reconnect budget bounds it now
                     op.timer = None
+
+
+class SessionMember:
+    """One member's view of a shared ``AsyncSession`` (``AsyncSession.member``): the same calls as
+    a session of its own, sent on the owning session's stream."""
+
+    __slots__ = ("session", "member_id", "incarnation", "_keep_alive_request")
+
+    def __init__(self, session: AsyncSession, member_id: str, incarnation: int):
+        self.session = session
+        self.member_id = member_id
+        self.incarnation = incarnation
+        self._keep_alive_request = pb.KeepAliveRequest(run_id=session.run_id, member=wire.member_ref(member_id, incarnation))
+
+    async def keep_alive(self) -> int:
+        """Renew this member's lease on the shared stream (see ``AsyncSession.keep_alive``)."""
+        return await self.session._keep_alive(self._keep_alive_request)
+
+    async def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing", epoch: int = 0) -> BarrierResult:
+        """Arrive at barrier ``name`` as this member (see ``AsyncSession.arrive``)."""
+        return await self.session._arrive(
+            self.member_id, self.incarnation, name, timeout_s=timeout_s, policy=policy, epoch=epoch
+        )

@@ -36,6 +36,7 @@ from elasticrl.coordinator.state import (
     RoundResult,
     Run,
     TimeoutPolicy,
+    copy_rendezvous,
 )
 from elasticrl.errors import (
     FencedError,
@@ -147,6 +148,10 @@ class CoordinatorCore(KeyValueOps):
         # Called as fn(run_id) after a run was dropped to make room (``Limits.max_runs``): the
         # scheduler forgets its iterations. SQLite rows of the run are gone already.
         self.run_dropped_listeners: list[Callable[[str], None]] = []
+        self.run_closed_listeners: list[Callable[[str, str], None]] = []  # fn(run_id, reason): no new work comes
+        for run in self.runs.values():  # a crash between a barrier's last arrival and its decision:
+            for barrier in list(run.open_barriers.values()):  # retried arrivals change nothing, so decide now
+                self._decide_barrier(run, barrier)
         if self.runs:
             live = sum(len(r.live_members()) for r in self.runs.values())
             log.info(
@@ -354,7 +359,7 @@ class CoordinatorCore(KeyValueOps):
         stale = [mid for mid, inc in rdzv.waiting.items() if not run.is_live(mid, inc)]
         pending = None
         if stale:
-            pending = _copy_rendezvous(rdzv)
+            pending = copy_rendezvous(rdzv)
             for mid in stale:
                 del pending.waiting[mid]
         self._decide_round(run, pending)
@@ -545,7 +550,7 @@ class CoordinatorCore(KeyValueOps):
             return done
         if rdzv.waiting.get(member_id) != incarnation:
             # The first waiter fixes the config; it is persisted with the waiting set.
-            pending = _copy_rendezvous(rdzv)
+            pending = copy_rendezvous(rdzv)
             if pending.config is None:
                 pending.config = config
             pending.waiting[member_id] = incarnation
@@ -588,7 +593,7 @@ class CoordinatorCore(KeyValueOps):
         it is a change too: if that write fails the report stays and the call fails."""
         if member_id not in run.rendezvous.timed_out:
             return None
-        pending = _copy_rendezvous(run.rendezvous)
+        pending = copy_rendezvous(run.rendezvous)
         reason = pending.timed_out.pop(member_id)
         self._commit_rendezvous(run, pending)
         return reason
@@ -609,7 +614,7 @@ class CoordinatorCore(KeyValueOps):
                 self._commit_rendezvous(run, pending)
             return
         if pending is None:
-            pending = _copy_rendezvous(run.rendezvous)
+            pending = copy_rendezvous(run.rendezvous)
         if decision.action == "timeout":
             for mid in pending.waiting:
                 pending.timed_out[mid] = decision.reason
@@ -652,6 +657,8 @@ class CoordinatorCore(KeyValueOps):
         log.info("run %s closed: %s", run_id, run.close_reason)
         self._emit(run, Event("closed", None, run.epoch, run.close_reason))
         self._notify_round(run_id)
+        for listener in self.run_closed_listeners:
+            listener(run_id, run.close_reason)
 
     # -- watch -------------------------------------------------------------------------------
 
@@ -673,14 +680,6 @@ class CoordinatorCore(KeyValueOps):
 
     def lease_left_s(self, m: Member) -> float:
         return max(0.0, m.lease_deadline - self.clock()) if m.live else 0.0
-
-
-def _copy_rendezvous(rdzv: Rendezvous) -> Rendezvous:
-    """A copy whose containers can be changed without touching ``rdzv`` (the config is never
-    changed in place, so it is shared)."""
-    return dataclasses.replace(
-        rdzv, participants=list(rdzv.participants), waiting=dict(rdzv.waiting), timed_out=dict(rdzv.timed_out),
-    )
 
 
 def _track_waiting(rdzv: Rendezvous, now: float) -> None:

@@ -39,6 +39,11 @@ SESSION_MAX_PENDING = 1024
 # Arrivals one Session stream may have waiting at once; one more is answered RESOURCE_EXHAUSTED
 # (a member waits at one barrier at a time, or a few).
 SESSION_MAX_ARRIVALS = 1024
+# Responses one batch message carries at most, on a stream whose client batches.
+SESSION_BATCH_MAX = 4096
+# ... and bytes, well under the message limits (64 MiB by default, less where a client sets it): a
+# decided arrival's answer lists every member, so 1024 of them at 4096 members make 32 MiB.
+SESSION_BATCH_BYTES = 1 << 20
 
 _MEMBER_STATE = {
     MemberStatus.LIVE: pb.MEMBER_STATE_LIVE,
@@ -308,7 +313,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         Keep-alives are answered inline; each arrival runs as its own task, since it blocks until
         its barrier is decided. Every response goes through ``out``, whose one consumer (this
         generator) is the stream's only writer. A failed operation is an ``Error`` message and the
-        stream goes on; when the stream ends, arrivals still waiting are cancelled.
+        stream goes on; when the stream ends, arrivals still waiting are cancelled. A ``batch``
+        request's operations are handled one by one as if each had come alone; once a client has
+        sent one, the writer sends every response already queued as one batch message.
 
         Memory per stream is bounded: ``out`` holds at most SESSION_MAX_PENDING responses, and its
         producers (the reader, each arrival) wait for room, so a client that does not read stops
@@ -322,12 +329,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # by the client, the coordinator evicts them unless they reopen one within the grace.
         members: set[tuple[str, str, int]] = set()
         said_close: list[bool] = []  # the client sent ``close``: it ended the stream on purpose
+        batched: list[bool] = []  # the client sent a ``batch``: responses may go batched too
         # Initial metadata now, not with the first response: it tells the client the stream is up.
         await context.send_initial_metadata(())
-        reader = asyncio.create_task(self._session_read(requests, out, arrivals, members, said_close), name="session-read")
+        reader = asyncio.create_task(
+            self._session_read(requests, out, arrivals, members, said_close, batched), name="session-read"
+        )
+        held = _NOTHING  # taken from ``out`` while batching but not a response: handled next
         try:
             while True:
-                item = await out.get()
+                item, held = (await out.get() if held is _NOTHING else held), _NOTHING
+                if batched and out.qsize() and _is_response(item):
+                    # Every response already queued goes as one message: grpc.aio's cost is per message.
+                    item, held = _response_batch(item, out)
+                if isinstance(item, tuple):  # (id, a decided arrival's shared response): alone
+                    item = pb.SessionResponse(id=item[0]).SerializeToString() + item[1]
                 if isinstance(item, grpc.aio.AbortError):
                     raise item  # an undecodable message: its status is already sent
                 if isinstance(item, BaseException):  # a bug in the reader: logged, INTERNAL
@@ -348,36 +364,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def _session_read(
         self, requests, out: asyncio.Queue, arrivals: set[asyncio.Task], members: set[tuple[str, str, int]],
-        said_close: list[bool],
+        said_close: list[bool], batched: list[bool],
     ) -> None:
         try:
             async for request in requests:
                 op = request.WhichOneof("op")
-                if op == "arrive" and len(arrivals) >= SESSION_MAX_ARRIVALS:
-                    error = ResourceLimitError(
-                        f"arrive: {len(arrivals)} arrivals already wait on this session (limit "
-                        f"{SESSION_MAX_ARRIVALS}); read their answers before arriving again"
-                    )
-                    await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
-                elif op == "arrive":
-                    task = asyncio.create_task(self._session_arrive(request.id, request.arrive, out))
-                    arrivals.add(task)
-                    task.add_done_callback(arrivals.discard)
+                if op == "batch":
+                    if not batched:
+                        batched.append(True)
+                    for inner in request.batch.ops:
+                        await self._session_op(inner, inner.WhichOneof("op"), out, arrivals, members, True)
                 elif op == "close":
                     said_close.append(True)
-                elif op == "keep_alive":
-                    # Waits while ``out`` is full: the next request is read only when there is room.
-                    response = self._session_keep_alive(request.id, request.keep_alive)
-                    if not response.HasField("error"):
-                        ka = request.keep_alive
-                        key = (ka.run_id, ka.member.member_id, ka.member.incarnation)
-                        if key not in members:
-                            members.add(key)
-                            self.core.stream_attached(*key)
-                    await out.put(response)
                 else:
-                    error = InvalidRequestError("op: must be set (keep_alive, arrive or close)")
-                    await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
+                    await self._session_op(request, op, out, arrivals, members, False)
             while arrivals:
                 await asyncio.wait(set(arrivals))
             await out.put(None)
@@ -385,6 +385,36 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the writer, which ends the stream
             await out.put(exc)
+
+    async def _session_op(
+        self, request: pb.SessionRequest, op: str | None, out: asyncio.Queue, arrivals: set[asyncio.Task],
+        members: set[tuple[str, str, int]], inner: bool,
+    ) -> None:
+        """One keep-alive or arrival, alone or from a batch (``inner``); anything else is an error."""
+        if op == "arrive" and len(arrivals) >= SESSION_MAX_ARRIVALS:
+            error = ResourceLimitError(
+                f"arrive: {len(arrivals)} arrivals already wait on this session (limit "
+                f"{SESSION_MAX_ARRIVALS}); read their answers before arriving again"
+            )
+            await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
+        elif op == "arrive":
+            task = asyncio.create_task(self._session_arrive(request.id, request.arrive, out))
+            arrivals.add(task)
+            task.add_done_callback(arrivals.discard)
+        elif op == "keep_alive":
+            # Waits while ``out`` is full: the next request is read only when there is room.
+            response = self._session_keep_alive(request.id, request.keep_alive)
+            if not response.HasField("error"):
+                ka = request.keep_alive
+                key = (ka.run_id, ka.member.member_id, ka.member.incarnation)
+                if key not in members:
+                    members.add(key)
+                    self.core.stream_attached(*key)
+            await out.put(response)
+        else:
+            what = "inside a batch: must be keep_alive or arrive" if inner else "must be set (keep_alive, arrive or close)"
+            error = InvalidRequestError(f"op: {what}")
+            await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
 
     def _session_keep_alive(self, request_id: int, request: pb.KeepAliveRequest) -> pb.SessionResponse:
         try:
@@ -396,9 +426,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             response, wrapped = await self.arrive(request)
             if wrapped is not None:
-                # Serialized protobuf messages concatenate as a merge: the id, then the shared
-                # decided response (copying it into a message per member cost ~20 us at 512).
-                response = pb.SessionResponse(id=request_id).SerializeToString() + wrapped
+                # The writer sends it as the id's serialized SessionResponse and then the shared
+                # decided one (serialized protobuf messages concatenate as a merge; copying it
+                # into a message per member cost ~20 us at 512), or in a batch, once for all ids.
+                response = (request_id, wrapped)
             else:
                 response = pb.SessionResponse(id=request_id, arrive=response)
         except asyncio.CancelledError:
@@ -568,6 +599,59 @@ def _parsing(impl, request_cls, kind: str):
         return await impl(await parse(raw, context), context)
 
     return unary_handler
+
+
+_NOTHING = object()
+
+
+def _is_response(item) -> bool:
+    return isinstance(item, (tuple, pb.SessionResponse))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _response_batch(first, out: asyncio.Queue):
+    """``first`` and the responses queued after it in ``out`` (up to SESSION_BATCH_MAX of them or
+    about SESSION_BATCH_BYTES) as one serialized SessionResponse(batch=...), and what was taken
+    from ``out`` that is not a response (or ``_NOTHING``). Built from serialized parts: a result is
+    field 1 of SessionResponseBatch, a decided arrival's shared response goes once per batch with
+    all its ids (field 2, SharedSessionResponse), and the batch is field 5 of SessionResponse."""
+    parts, shared, size, count, item, held = [], {}, 0, 0, first, _NOTHING
+    while True:
+        count += 1
+        if isinstance(item, tuple):
+            request_id, wrapped = item
+            ids = shared.get(wrapped)  # bytes cache their hash: O(1) after the first
+            if ids is None:
+                ids = shared[wrapped] = []
+                size += len(wrapped)
+            ids.append(request_id)
+            size += 10
+        else:
+            data = item.SerializeToString()
+            parts.append(b"\x0a" + _varint(len(data)) + data)
+            size += len(data)
+        if count >= SESSION_BATCH_MAX or size >= SESSION_BATCH_BYTES or not out.qsize():
+            break
+        item = out.get_nowait()
+        if not _is_response(item):
+            held = item
+            break
+    if count == 1:
+        return first, held
+    for wrapped, ids in shared.items():
+        packed = b"".join(map(_varint, ids))
+        body = b"\x0a" + _varint(len(packed)) + packed + b"\x12" + _varint(len(wrapped)) + wrapped
+        parts.append(b"\x12" + _varint(len(body)) + body)
+    inner = b"".join(parts)
+    return b"\x2a" + _varint(len(inner)) + inner, held
 
 
 def _serialize(to_bytes, response) -> bytes:

@@ -11,37 +11,43 @@ import asyncio
 from collections.abc import Hashable
 
 
-class _Signal(asyncio.Event):
-    def __init__(self) -> None:
-        super().__init__()
-        self.waiters = 0
-
-
 class Signals:
+    """Per key, the futures of its current waiters: ``fire`` resolves them all at once. One future
+    (and a timer, with a timeout) per waiter, no task: a barrier's release wakes thousands."""
+
     def __init__(self) -> None:
-        self._events: dict[Hashable, _Signal] = {}
+        self._events: dict[Hashable, set[asyncio.Future]] = {}
 
     def __len__(self) -> int:
         return len(self._events)
 
     async def wait(self, key: Hashable, timeout_s: float | None) -> bool:
         """Wait until ``fire(key)`` or ``timeout_s`` (None: no limit); True when fired."""
-        signal = self._events.get(key)
-        if signal is None:
-            signal = self._events[key] = _Signal()
-        signal.waiters += 1
+        loop = asyncio.get_running_loop()
+        waiters = self._events.get(key)
+        if waiters is None:
+            waiters = self._events[key] = set()
+        waiter = loop.create_future()
+        waiters.add(waiter)
+        timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), _expire, waiter)
         try:
-            await asyncio.wait_for(signal.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+            return await waiter
         finally:
-            signal.waiters -= 1
-            if signal.waiters == 0 and self._events.get(key) is signal:
+            if timer is not None:
+                timer.cancel()
+            waiters.discard(waiter)
+            if not waiters and self._events.get(key) is waiters:
                 del self._events[key]
 
     def fire(self, key: Hashable) -> None:
         """Wake every current waiter of ``key``; later waiters wait for the next fire."""
-        signal = self._events.pop(key, None)
-        if signal is not None:
-            signal.set()
+        waiters = self._events.pop(key, None)
+        if waiters is not None:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(True)
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(False)

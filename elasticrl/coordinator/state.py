@@ -154,3 +154,11 @@ class Run:
     def is_live(self, member_id: str, incarnation: int) -> bool:
         m = self.members.get(member_id)
         return m is not None and m.live and m.incarnation == incarnation
+
+
+def copy_rendezvous(rdzv: Rendezvous) -> Rendezvous:
+    """A copy whose containers can be changed without touching ``rdzv`` (the config is never
+    changed in place, so it is shared)."""
+    return dataclasses.replace(
+        rdzv, participants=list(rdzv.participants), waiting=dict(rdzv.waiting), timed_out=dict(rdzv.timed_out),
+    )

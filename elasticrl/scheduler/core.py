@@ -149,6 +149,7 @@ class SchedulerCore:
             self._trim(run_id)
         coord.gone_listeners.append(self._member_gone)
         coord.run_dropped_listeners.append(self.drop_run)
+        coord.run_closed_listeners.append(self.end_streams)
         open_its = [it for its in self.iterations.values() for it in its.values() if not it.sealed]
         if open_its:
             log.info(
@@ -629,6 +630,13 @@ class SchedulerCore:
             self.store.drop(run_id, iteration)
         self._dropped_upto[run_id] = max(self._dropped_upto.get(run_id, -1), old[-1])
         log.debug("run %s: dropped sealed iteration(s) %s (keeping %d)", run_id, old, self.keep_iterations)
+
+    def end_streams(self, run_id: str, reason: str) -> None:
+        """The run was closed: end its engines' Work streams with RUN_CLOSED, so rollout-only
+        workers stop at once instead of finding out by polling (its iterations stay readable)."""
+        for conn in self.conns.get(run_id, {}).values():
+            if not conn.closed:
+                conn.send(End(RunClosedError(f"run {run_id!r} was closed ({reason})")))
 
     def drop_run(self, run_id: str) -> None:
         """Forget a run the coordinator dropped (closed, no live member): its iterations, streams

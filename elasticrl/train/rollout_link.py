@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from elasticrl.env import EnvError
-from elasticrl.errors import ElasticRLError
+from elasticrl.errors import ElasticRLError, RunClosedError
 from elasticrl.rl.rewards import RewardError
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.tasks import Example
@@ -213,7 +213,8 @@ class EngineWorker:
             self._loop.run_until_complete(main())
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by check()
             self.error = exc
-            log.error("rollout worker stopped: %s: %s", type(exc).__name__, exc)
+            # A closed run is the normal end (training finished), not a failure.
+            (log.info if isinstance(exc, RunClosedError) else log.error)("rollout worker stopped: %s: %s", type(exc).__name__, exc)
         finally:
             self._started.set()
 

@@ -33,10 +33,11 @@ def test_the_scheduler_bench_streams_at_a_toy_size(tmp_path):
 
 
 def test_the_coordinator_bench_measures_a_barrier_at_a_toy_size(tmp_path):
-    doc = bench("coordinator.py", tmp_path, "--members", "8", "--rounds", "2", "--warmup", "1", "--transports", "session",
+    doc = bench("coordinator.py", tmp_path, "--members", "8", "--rounds", "2", "--warmup", "1", "--transports", "session,batched",
                 "--modes", "memory", "--patterns", "burst", "--skip-baselines", "--skip-failure", "--workers", "2")
-    (row,) = doc["latency"]
-    assert row["members"] == 8 and row["p50_ms"] > 0, row
+    assert [row["transport"] for row in doc["latency"]] == ["session", "batched"]
+    for row in doc["latency"]:
+        assert row["members"] == 8 and row["p50_ms"] > 0, row
 
 
 def test_the_async_bench_overlaps_rollout_and_update_at_a_toy_size(tmp_path):

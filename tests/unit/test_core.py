@@ -368,3 +368,22 @@ def test_leases_are_scanned_only_once_the_earliest_can_have_expired_and_still_ex
     clock.now += 0.75
     core.tick()
     assert core.runs["r"].members["a"].status is MemberStatus.EVICTED
+
+
+def test_a_barrier_whose_last_arrival_was_stored_but_not_its_decision_is_decided_on_reload(tmp_path, clock):
+    """A crash between the commit of a barrier's last arrival and the commit of its decision: after
+    the restart every arrival is there, so the members' retried arrivals change nothing. The
+    reloaded coordinator must decide the barrier then, not at its timeout (a 120 s hang, found by
+    the crash-injection test)."""
+    path = tmp_path / "s.sqlite"
+    core = CoordinatorCore(StateDB(path), lease_ttl_s=5.0, clock=clock)
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    assert run(core.arrive("r", "a", a.incarnation, "x", timeout_s=120, wait_s=0.01)) is None
+    with core.db.tx() as db:  # b's arrival committed; the process died before deciding
+        db.put_arrival("r", "x", "b", b.incarnation)
+    core.db.close()
+
+    again = CoordinatorCore(StateDB(path), lease_ttl_s=5.0, clock=clock)
+    result = run(again.arrive("r", "b", b.incarnation, "x", timeout_s=120, wait_s=0.01))  # b's retry
+    assert result is not None and result.outcome is Outcome.COMPLETED and result.arrived == ["a", "b"]
