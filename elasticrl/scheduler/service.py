@@ -49,6 +49,15 @@ THREADED_CHUNK_BYTES = 1 << 20
 # An upload whose next chunk does not come within this long is dropped (its slot and temp file freed).
 UPLOAD_IDLE_S = 120.0
 
+def _weights_wait(have_version: int, wait_s: float) -> float:
+    """The checked ``have_version`` and ``wait_s`` of FetchWeights and LocateWeights: the wait."""
+    if have_version < -1:
+        raise InvalidRequestError(f"have_version: {have_version} must be >= -1 (-1: no weights held yet)")
+    if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_WEIGHTS_WAIT_S:
+        raise InvalidRequestError(f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)")
+    return wait_s
+
+
 def _out_message(item) -> spb.WorkResponse:
     if isinstance(item, Assign):
         return spb.WorkResponse(assign=spb.Assignments(tasks=[
@@ -186,13 +195,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
     async def FetchWeights(self, request: spb.FetchWeightsRequest, context):
         try:
             run_id = v.ident("run_id", request.run_id)
-            if request.have_version < -1:
-                raise InvalidRequestError(f"have_version: {request.have_version} must be >= -1 (-1: no weights held yet)")
-            wait_s = request.wait_s
-            if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_WEIGHTS_WAIT_S:
-                raise InvalidRequestError(
-                    f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)"
-                )
+            wait_s = _weights_wait(request.have_version, request.wait_s)
             blob = await self.weights.wait_newer(run_id, request.have_version, wait_s)
             # In the same event-loop step as wait_newer's answer: a newer publish may delete the
             # file afterwards, but not while it is open here (see WeightBlob.open).
@@ -227,11 +230,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         run_id = v.ident("run_id", request.run_id)
         member = v.ident("member_id", request.member_id)
         addr = directory.address("address", request.address, allow_empty=True)
-        if request.have_version < -1:
-            raise InvalidRequestError(f"have_version: {request.have_version} must be >= -1 (-1: no weights held yet)")
-        wait_s = request.wait_s
-        if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_WEIGHTS_WAIT_S:
-            raise InvalidRequestError(f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)")
+        wait_s = _weights_wait(request.have_version, request.wait_s)
         unreachable = [directory.address("unreachable", a) for a in v.batch("unreachable", list(request.unreachable), allow_empty=True)]
         src = await self.directory.locate(run_id, member, addr, request.have_version, wait_s, unreachable)
         if src is None:

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from elasticrl.weights.peer import route_source
+
 log = logging.getLogger(__name__)
 
 
@@ -71,9 +73,7 @@ def interface_towards(address: str) -> str | None:
         target = socket.gethostbyname(address)
         if ipaddress.ip_address(target).is_loopback:
             return None
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, 9))  # UDP connect sends nothing: it only picks the route
-            local = probe.getsockname()[0]
+        local = route_source(target)
         import fcntl
 
         siocgifaddr = 0x8915

@@ -24,8 +24,8 @@ import re
 
 from elasticrl.coordinator import validate as v
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
+from elasticrl.scheduler.weights import FORMAT
 
-FORMAT = "safetensors"
 MAX_HOLDERS = 65536
 """Holders per run (a 512-node x 8-GPU cluster has 4096 engines)."""
 MAX_RUNS = 4096

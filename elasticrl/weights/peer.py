@@ -438,9 +438,7 @@ def fetch(client, run_id: str, member_id: str, peer: WeightPeer, *, have_version
                 held, unreachable = None, [src.address]
                 continue
             held.finish()
-            client.announce_weights(run_id, held.version, total_bytes=held.total_bytes, sha256=held.digest,
-                                    member_id=member_id, address=peer.address, complete=True)
-            peer.announced_at = time.monotonic()
+            _announce(client, run_id, member_id, peer, held)
             return held
     except BaseException:
         if held is not None and not held.complete:
@@ -451,12 +449,16 @@ def fetch(client, run_id: str, member_id: str, peer: WeightPeer, *, have_version
 
 def _reannounce(client, run_id: str, member_id: str, peer: WeightPeer) -> None:
     held = peer.newest()
-    now = time.monotonic()
-    if held is None or not held.complete or now - peer.announced_at < REANNOUNCE_S:
+    if held is None or not held.complete or time.monotonic() - peer.announced_at < REANNOUNCE_S:
         return
-    peer.announced_at = now
+    _announce(client, run_id, member_id, peer, held)
+
+
+def _announce(client, run_id: str, member_id: str, peer: WeightPeer, held: Held) -> None:
+    """Tell the coordinator that ``peer`` serves all of ``held``."""
     client.announce_weights(run_id, held.version, total_bytes=held.total_bytes, sha256=held.digest, member_id=member_id,
                             address=peer.address, complete=True)
+    peer.announced_at = time.monotonic()
 
 
 def publish(client, run_id: str, member_id: str, peer: WeightPeer, version: int, blob: bytes | bytearray) -> Held:
@@ -464,8 +466,7 @@ def publish(client, run_id: str, member_id: str, peer: WeightPeer, version: int,
     pieces = piece_digests(blob)
     held = Held(version, blob_digest(pieces), len(blob), blob, pieces)
     peer.hold(held)
-    client.announce_weights(run_id, version, total_bytes=held.total_bytes, sha256=held.digest, member_id=member_id,
-                            address=peer.address, complete=True)
+    _announce(client, run_id, member_id, peer, held)
     return held
 
 
@@ -478,9 +479,14 @@ def advertise_host(coordinator_address: str, configured: str = "") -> str:
     if host in ("localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # UDP: no packet is sent; the kernel picks the route's source address
-            return s.getsockname()[0]
+        return route_source(host)
     except OSError:
         return socket.gethostname()
+
+
+def route_source(host: str) -> str:
+    """The local address the kernel sends from to reach ``host`` (``OSError`` if it cannot)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent; the kernel only picks the route
+        return s.getsockname()[0]

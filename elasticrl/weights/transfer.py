@@ -12,19 +12,34 @@ import logging
 import threading
 import time
 
+from elasticrl.config.sections import WEIGHTS_TRANSFERS
 from elasticrl.weights import peer as relay
 
 log = logging.getLogger(__name__)
 
-MODES = ("relay", "coordinator")
+MODES = WEIGHTS_TRANSFERS  # rollout.weights_transfer
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"rollout.weights_transfer: {mode!r} must be one of {', '.join(MODES)}")
+class _Endpoint:
+    """What both ends share: the mode, and with the relay this process's ``WeightPeer``."""
+
+    def __init__(self, client, run_id: str, member_id: str, *, mode: str, token: str | None,
+                 coordinator_address: str, relay_host: str, relay_port: int):
+        if mode not in MODES:
+            raise ValueError(f"rollout.weights_transfer: {mode!r} must be one of {', '.join(MODES)}")
+        self.client, self.run_id, self.member_id, self.mode, self.token = client, run_id, member_id, mode, token
+        self.peer = None
+        if mode == "relay":
+            host = relay.advertise_host(coordinator_address, relay_host)
+            self.peer = relay.WeightPeer(token=token, port=relay_port, advertise_host=host)
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
 
 
-class WeightPublisher:
+class WeightPublisher(_Endpoint):
     """Rank 0: ``publish(version, blob)`` makes a new version available to rollout-only workers.
 
     relay: the blob stays in this process, served by its ``WeightPeer`` (the newest two versions
@@ -33,12 +48,9 @@ class WeightPublisher:
 
     def __init__(self, client, run_id: str, member_id: str, *, mode: str = "relay", token: str | None = None,
                  coordinator_address: str = "", relay_host: str = "", relay_port: int = 0):
-        _check_mode(mode)
-        self.client, self.run_id, self.member_id, self.mode = client, run_id, member_id, mode
-        self.peer = None
-        if mode == "relay":
-            host = relay.advertise_host(coordinator_address, relay_host)
-            self.peer = relay.WeightPeer(token=token, port=relay_port, advertise_host=host)
+        super().__init__(client, run_id, member_id, mode=mode, token=token, coordinator_address=coordinator_address,
+                         relay_host=relay_host, relay_port=relay_port)
+        if self.peer is not None:
             log.info("serving policy weights to rollout workers at %s", self.peer.address)
 
     def publish(self, version: int, blob: bytes | bytearray) -> None:
@@ -47,13 +59,8 @@ class WeightPublisher:
         else:
             relay.publish(self.client, self.run_id, self.member_id, self.peer, version, blob)
 
-    def close(self) -> None:
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
 
-
-class WeightFetcher:
+class WeightFetcher(_Endpoint):
     """A rollout worker: ``fetch(have_version, wait_s)`` -> ``(version, blob)`` of a newer
     version, or None if none came within ``wait_s``.
 
@@ -64,13 +71,9 @@ class WeightFetcher:
     def __init__(self, client, run_id: str, member_id: str, *, mode: str = "relay", token: str | None = None,
                  coordinator_address: str = "", relay_host: str = "", relay_port: int = 0,
                  stop: threading.Event | None = None):
-        _check_mode(mode)
-        self.client, self.run_id, self.member_id, self.mode, self.token = client, run_id, member_id, mode, token
+        super().__init__(client, run_id, member_id, mode=mode, token=token, coordinator_address=coordinator_address,
+                         relay_host=relay_host, relay_port=relay_port)
         self.stop = stop
-        self.peer = None
-        if mode == "relay":
-            host = relay.advertise_host(coordinator_address, relay_host)
-            self.peer = relay.WeightPeer(token=token, port=relay_port, advertise_host=host)
 
     def fetch(self, have_version: int, wait_s: float) -> tuple[int, bytes | bytearray] | None:
         if self.peer is None:
@@ -84,8 +87,3 @@ class WeightFetcher:
         log.info("weights version %#x: %.1f MB from %s in %.2fs", held.version, held.total_bytes / 1e6, sources,
                  time.monotonic() - start)
         return held.version, held.buf
-
-    def close(self) -> None:
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
