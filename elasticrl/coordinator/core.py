@@ -14,28 +14,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable
 
 from elasticrl.coordinator import policy
+from elasticrl.coordinator.barriers import BarrierOps
 from elasticrl.coordinator.kv import KeyValueOps
 from elasticrl.coordinator.metrics import Metrics
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.replies import DEFAULT_KEEP, Replies
 from elasticrl.coordinator.signals import Signals
 from elasticrl.coordinator.state import (
-    Barrier,
-    BarrierResult,
     Member,
     MemberStatus,
-    Outcome,
     Rendezvous,
     RoundConfig,
     RoundResult,
     Run,
-    TimeoutPolicy,
     copy_rendezvous,
 )
 from elasticrl.errors import (
@@ -102,7 +98,7 @@ class Watcher:
         return events
 
 
-class CoordinatorCore(KeyValueOps):
+class CoordinatorCore(BarrierOps, KeyValueOps):
     def __init__(
         self,
         db: StateDB,
@@ -136,8 +132,6 @@ class CoordinatorCore(KeyValueOps):
         self.replies = Replies(db.connection, keep=keep_request_ids)
         # Wake-ups of waiting arrivals (by (run, barrier)), KV waits and round joins (by run).
         self._barrier_signals = Signals()
-        # Per open barrier, a superset of the expected members that are live and have not arrived
-        # (built on first use, shrunk per arrival): lets an arrival skip the O(N) decision.
         self._not_arrived: dict[tuple[str, str], set[str]] = {}
         self._kv_signals = Signals()
         self._round_signals = Signals()
@@ -423,101 +417,6 @@ class CoordinatorCore(KeyValueOps):
                     self._decide_barrier(run, barrier)
             if run.rendezvous.waiting:
                 self._decide_round(run)
-
-    # -- barriers ----------------------------------------------------------------------------
-
-    async def arrive(
-        self,
-        run_id: str,
-        member_id: str,
-        incarnation: int,
-        name: str,
-        *,
-        epoch: int = 0,
-        timeout_s: float,
-        policy_: TimeoutPolicy = TimeoutPolicy.EVICT_MISSING,
-        wait_s: float = 0.0,
-    ) -> BarrierResult | None:
-        """Record an arrival and wait up to ``wait_s`` (0: until decided) for the barrier's result.
-
-        Returns None when the wait ran out first; arriving again keeps the same place.
-        """
-        run = self._run(run_id)
-        self._fence(run, member_id, incarnation, epoch)
-        barrier = run.barriers.get(name)
-        if barrier is None:
-            if len(run.open_barriers) >= self.limits.max_barriers_per_run:
-                raise ResourceLimitError(f"run {run_id!r} holds {len(run.open_barriers)} open barriers (limit reached)")
-            expected = {mid: m.incarnation for mid, m in run.live_members().items()}
-            barrier = Barrier(name, timeout_s, policy_, expected, {}, self.clock())
-            with self.db.tx() as db:
-                db.put_barrier(run_id, barrier)
-                db.put_arrival(run_id, name, member_id, incarnation)
-            run.barriers[name] = run.open_barriers[name] = barrier
-            barrier.arrived[member_id] = incarnation
-            self._decide_barrier(run, barrier)
-        elif barrier.result is None and barrier.arrived.get(member_id) != incarnation:
-            with self.db.tx() as db:
-                db.put_arrival(run_id, name, member_id, incarnation)
-            barrier.arrived[member_id] = incarnation
-            self._decide_after_arrival(run, barrier, member_id)
-        if barrier.result is not None:
-            return barrier.result
-        await self._barrier_signals.wait((run_id, name), wait_s if wait_s > 0 else None)
-        if not run.is_live(member_id, incarnation):
-            self._fence(run, member_id, incarnation)  # evicted while waiting: raises FencedError
-        return barrier.result
-
-    def _decide_after_arrival(self, run: Run, barrier: Barrier, member_id: str) -> None:
-        """Decide ``barrier`` after ``member_id`` arrived, in O(1) while it is plainly still blocked.
-
-        Dropping ``member_id`` from the not-arrived set is right whatever incarnation arrived: the
-        arrival passed the fence, so either it is the expected incarnation or that one is not live.
-        """
-        key = (run.run_id, barrier.name)
-        pending = self._not_arrived.get(key)
-        if pending is None:
-            pending = self._not_arrived[key] = {m for m, inc in barrier.expected.items() if barrier.arrived.get(m) != inc}
-        pending.discard(member_id)
-        if not policy.barrier_blocked(barrier, run, self.clock(), pending):
-            self._decide_barrier(run, barrier)
-
-    def _decide_barrier(self, run: Run, barrier: Barrier) -> None:
-        decision = policy.decide_barrier(barrier, run, self.clock())
-        if decision.result is None:
-            return
-        late = [run.members[mid] for mid in decision.evict]
-        late_reason = f"missed barrier {barrier.name!r} (timeout {barrier.timeout_s:.3f}s)"
-        with self.db.tx() as db:  # the evictions and the result commit together, or neither does
-            for m in late:
-                db.put_member(run.run_id, m, status=MemberStatus.EVICTED, reason=late_reason)
-            if late:
-                db.put_run(run, epoch=run.epoch + len(late))
-            db.put_barrier(run.run_id, barrier, decision.result)
-            db.delete_arrivals(run.run_id, barrier.name)
-            dropped = list(itertools.islice(run.decided, max(0, len(run.decided) + 1 - self.limits.keep_decided_barriers)))
-            for name in dropped:
-                db.delete_barrier(run.run_id, name)
-        for name in dropped:  # committed: memory follows
-            run.decided.popleft()
-            del run.barriers[name]
-        run.decided.append(barrier.name)
-        for m in late:
-            run.epoch += 1
-            self._mark_gone(run, m, MemberStatus.EVICTED, late_reason)
-            self.metrics.evictions.inc(run=run.run_id, reason="missed_barrier")
-        barrier.result = decision.result
-        run.open_barriers.pop(barrier.name, None)
-        self.metrics.barriers_decided.inc(run=run.run_id, outcome=decision.result.outcome.value)
-        self.metrics.barrier_wait.observe(self.clock() - barrier.opened_at, run=run.run_id)
-        self._not_arrived.pop((run.run_id, barrier.name), None)
-        if decision.result.outcome is Outcome.TIMED_OUT or decision.result.evicted:
-            log.warning("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
-        else:
-            log.debug("run %s: barrier %s: %s", run.run_id, barrier.name, decision.reason)
-        self._barrier_signals.fire((run.run_id, barrier.name))
-        if late:  # an eviction, whatever its cause, re-decides every other open barrier at once
-            self._after_membership_change(run)
 
     # -- rendezvous rounds -------------------------------------------------------------------
 

@@ -18,33 +18,19 @@ from google.protobuf.message import DecodeError
 from elasticrl import __version__
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
-from elasticrl.coordinator import codes, validate as v, wire
+from elasticrl.coordinator import codes, session, validate as v, wire
 from elasticrl.coordinator.core import CoordinatorCore, Event
 from elasticrl.coordinator.replies import request_id
 from elasticrl.coordinator.state import (
-    DEFAULT_REJOIN_TIMEOUT_S, Barrier, BarrierResult, Member, MemberStatus, Outcome, RoundConfig, Run, TimeoutPolicy,
+    DEFAULT_REJOIN_TIMEOUT_S, Barrier, BarrierResult, Member, MemberStatus, RoundConfig, Run,
 )
-from elasticrl.errors import ElasticRLError, InternalError, InvalidRequestError, ResourceLimitError
+from elasticrl.errors import ElasticRLError, InternalError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BARRIER_TIMEOUT_S = 600.0
 DEFAULT_LAST_CALL_S = 2.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 WATCH_HEARTBEAT_S = 15.0
-# A Session stream's responses not yet taken by gRPC: past this many, the stream's requests are not
-# read until there is room, so a client that does not read its responses holds the coordinator's
-# memory to a bound (then HTTP/2 flow control stops its writes).
-SESSION_MAX_PENDING = 1024
-# Arrivals one Session stream may have waiting at once; one more is answered RESOURCE_EXHAUSTED
-# (a member waits at one barrier at a time, or a few).
-SESSION_MAX_ARRIVALS = 1024
-# Responses one batch message carries at most, on a stream whose client batches.
-SESSION_BATCH_MAX = 4096
-# ... and bytes, well under the message limits (64 MiB by default, less where a client sets it): a
-# decided arrival's answer lists every member, so 1024 of them at 4096 members make 32 MiB.
-SESSION_BATCH_BYTES = 1 << 20
-
 _MEMBER_STATE = {
     MemberStatus.LIVE: pb.MEMBER_STATE_LIVE,
     MemberStatus.LEFT: pb.MEMBER_STATE_LEFT,
@@ -56,11 +42,6 @@ _EVENT_TYPE = {
     "evicted": pb.EVENT_TYPE_EVICTED,
     "round": pb.EVENT_TYPE_ROUND,
     "closed": pb.EVENT_TYPE_CLOSED,
-}
-_POLICY = {
-    pb.TIMEOUT_POLICY_UNSPECIFIED: TimeoutPolicy.EVICT_MISSING,
-    pb.TIMEOUT_POLICY_EVICT_MISSING: TimeoutPolicy.EVICT_MISSING,
-    pb.TIMEOUT_POLICY_REPORT: TimeoutPolicy.REPORT,
 }
 _ROUND_STATUS = {
     "complete": pb.ROUND_STATUS_COMPLETE,
@@ -106,13 +87,9 @@ def guarded(handler):
     return wrapper
 
 
-def _member_ref(field: str, ref: pb.MemberRef) -> tuple[str, int]:
-    return v.ident(f"{field}.member_id", ref.member_id), v.incarnation(f"{field}.incarnation", ref.incarnation)
-
-
 def optional_member(field: str, request) -> tuple[str, int] | None:
     """The ``MemberRef`` of a request where it is optional: None when unset."""
-    return _member_ref(field, getattr(request, field)) if request.HasField(field) else None
+    return v.member_ref(field, getattr(request, field)) if request.HasField(field) else None
 
 
 def _write_opts(request) -> dict:
@@ -170,20 +147,6 @@ def _barrier_info(core: CoordinatorCore, run: Run, b: Barrier) -> pb.BarrierInfo
     )
 
 
-def _arrive_response(result: BarrierResult | None, epoch: int) -> pb.ArriveResponse:
-    if result is None:
-        return pb.ArriveResponse(outcome=pb.BARRIER_OUTCOME_PENDING, epoch=epoch, reason="still waiting")
-    outcome = pb.BARRIER_OUTCOME_COMPLETED if result.outcome is Outcome.COMPLETED else pb.BARRIER_OUTCOME_TIMED_OUT
-    return pb.ArriveResponse(
-        outcome=outcome,
-        arrived=result.arrived,
-        evicted=result.evicted,
-        missing=result.missing,
-        epoch=result.epoch,
-        reason=result.reason,
-    )
-
-
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     # Decided barriers whose response is kept, so that it is built once, not once per member.
     DECIDED_RESPONSES = 64
@@ -220,13 +183,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def keep_alive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
         """KeepAlive for the unary RPC and Session alike. Raises ``ElasticRLError``."""
-        mid, inc = _member_ref("member", request.member)
+        mid, inc = v.member_ref("member", request.member)
         epoch, ttl = self.core.keep_alive(v.ident("run_id", request.run_id), mid, inc)
         return pb.KeepAliveResponse(epoch=epoch, lease_ttl_ms=int(ttl * 1000))
 
     @guarded
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
-        mid, inc = _member_ref("member", request.member)
+        mid, inc = v.member_ref("member", request.member)
         reason = v.text("reason", request.reason, v.MAX_REASON_LEN)
         rid = request_id("request_id", request.request_id)
         return pb.LeaveResponse(epoch=self.core.leave(v.ident("run_id", request.run_id), mid, inc, reason, request_id=rid))
@@ -266,30 +229,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @guarded
     async def Arrive(self, request: pb.ArriveRequest, context) -> pb.ArriveResponse:
-        return (await self.arrive(request))[0]
+        return await self.arrive(request)
 
-    async def arrive(self, request: pb.ArriveRequest) -> tuple[pb.ArriveResponse, bytes | None]:
-        """Arrive for the unary RPC and Session alike: blocks until the barrier is decided or
-        ``wait_ms`` passes (then PENDING). Returns the response and, once decided, the shared
-        serialized SessionResponse around it (see ``_decided_response``). Raises ``ElasticRLError``."""
-        run_id = v.ident("run_id", request.run_id)
-        mid, inc = _member_ref("member", request.member)
-        if request.policy not in _POLICY:
-            raise InvalidRequestError(f"policy: unknown value {request.policy}; expected EVICT_MISSING or REPORT")
-        timeout_s = v.duration_ms("timeout_ms", request.timeout_ms) or DEFAULT_BARRIER_TIMEOUT_S
+    async def arrive(self, request: pb.ArriveRequest) -> pb.ArriveResponse:
+        """The unary Arrive: blocks until the barrier is decided or ``wait_ms`` passes (then
+        PENDING). Raises ``ElasticRLError``."""
+        arrival, wait_s = session.parse_arrival(request)
         result = await self.core.arrive(
-            run_id,
-            mid,
-            inc,
-            v.name("name", request.name),
-            epoch=request.epoch,
-            timeout_s=timeout_s,
-            policy_=_POLICY[request.policy],
-            wait_s=v.duration_ms("wait_ms", request.wait_ms),
+            arrival.run_id, arrival.member_id, arrival.incarnation, arrival.name,
+            epoch=arrival.epoch, timeout_s=arrival.timeout_s, policy_=arrival.policy, wait_s=wait_s,
         )
         if result is None:
-            return _arrive_response(None, self.core.runs[run_id].epoch), None
-        return self._decided_response((run_id, request.name), result)
+            return session.arrive_response(None, self.core.runs[arrival.run_id].epoch)
+        return self._decided_response((arrival.run_id, arrival.name), result)[0]
 
     def _decided_response(self, key: tuple[str, str], result: BarrierResult) -> tuple[pb.ArriveResponse, bytes]:
         """The one response every member of a decided barrier gets (its ``arrived`` alone lists
@@ -300,143 +252,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return hit[1], hit[2]
         if len(self._decided) >= self.DECIDED_RESPONSES:
             self._decided.clear()
-        response = _arrive_response(result, result.epoch)
+        response = session.arrive_response(result, result.epoch)
         wrapped = pb.SessionResponse(arrive=response).SerializeToString()
         self._decided[key] = (result, response, wrapped)
         return response, wrapped
 
     # -- member sessions ---------------------------------------------------------------------
 
-    async def Session(self, requests, context):
-        """A member's stream of KeepAlive and Arrive operations (see SessionRequest in the proto).
-
-        Keep-alives are answered inline; each arrival runs as its own task, since it blocks until
-        its barrier is decided. Every response goes through ``out``, whose one consumer (this
-        generator) is the stream's only writer. A failed operation is an ``Error`` message and the
-        stream goes on; when the stream ends, arrivals still waiting are cancelled. A ``batch``
-        request's operations are handled one by one as if each had come alone; once a client has
-        sent one, the writer sends every response already queued as one batch message.
-
-        Memory per stream is bounded: ``out`` holds at most SESSION_MAX_PENDING responses, and its
-        producers (the reader, each arrival) wait for room, so a client that does not read stops
-        being read (backpressure); at most SESSION_MAX_ARRIVALS arrivals wait at once. Neither
-        wait can deadlock: the only thing that frees room is the client reading, and a client that
-        reads gets every response, keep-alives included, in the order they were queued.
-        """
-        out: asyncio.Queue = asyncio.Queue(maxsize=SESSION_MAX_PENDING)
-        arrivals: set[asyncio.Task] = set()
-        # The members whose keep-alives this stream carries: when it breaks instead of being closed
-        # by the client, the coordinator evicts them unless they reopen one within the grace.
-        members: set[tuple[str, str, int]] = set()
-        said_close: list[bool] = []  # the client sent ``close``: it ended the stream on purpose
-        batched: list[bool] = []  # the client sent a ``batch``: responses may go batched too
-        # Initial metadata now, not with the first response: it tells the client the stream is up.
-        await context.send_initial_metadata(())
-        reader = asyncio.create_task(
-            self._session_read(requests, out, arrivals, members, said_close, batched), name="session-read"
+    def Session(self, requests, context):
+        """A member's (or a process's members') stream of KeepAlive and Arrive operations: see
+        ``coordinator.session`` and SessionRequest in the proto."""
+        return session.serve(
+            self.core, requests, context, keep_alive=self._session_keep_alive,
+            decided=lambda key, result: self._decided_response(key, result)[1],
+            error=lambda request_id, exc: pb.SessionResponse(id=request_id, error=error_message(exc)),
+            abort=abort_with,
         )
-        held = _NOTHING  # taken from ``out`` while batching but not a response: handled next
-        try:
-            while True:
-                item, held = (await out.get() if held is _NOTHING else held), _NOTHING
-                if batched and out.qsize() and _is_response(item):
-                    # Every response already queued goes as one message: grpc.aio's cost is per message.
-                    item, held = _response_batch(item, out)
-                if isinstance(item, tuple):  # (id, a decided arrival's shared response): alone
-                    item = pb.SessionResponse(id=item[0]).SerializeToString() + item[1]
-                if isinstance(item, grpc.aio.AbortError):
-                    raise item  # an undecodable message: its status is already sent
-                if isinstance(item, BaseException):  # a bug in the reader: logged, INTERNAL
-                    log.exception("session stream failed: %s", type(item).__name__, exc_info=item)
-                    # named InternalError, so the client tells it from a transport failure
-                    await abort_with(context, InternalError(f"internal error: {type(item).__name__}: {item}"))
-                if item is None:
-                    return  # the client half-closed and every arrival was answered
-                yield item
-        finally:
-            reader.cancel()
-            for task in list(arrivals):
-                task.cancel()
-            for key in members:
-                # Not "the reader saw the end of the requests": a killed client's reset often
-                # reads as one (a half-close) before grpc cancels this handler.
-                self.core.stream_detached(*key, abrupt=not said_close)
-
-    async def _session_read(
-        self, requests, out: asyncio.Queue, arrivals: set[asyncio.Task], members: set[tuple[str, str, int]],
-        said_close: list[bool], batched: list[bool],
-    ) -> None:
-        try:
-            async for request in requests:
-                op = request.WhichOneof("op")
-                if op == "batch":
-                    if not batched:
-                        batched.append(True)
-                    for inner in request.batch.ops:
-                        await self._session_op(inner, inner.WhichOneof("op"), out, arrivals, members, True)
-                elif op == "close":
-                    said_close.append(True)
-                else:
-                    await self._session_op(request, op, out, arrivals, members, False)
-            while arrivals:
-                await asyncio.wait(set(arrivals))
-            await out.put(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the writer, which ends the stream
-            await out.put(exc)
-
-    async def _session_op(
-        self, request: pb.SessionRequest, op: str | None, out: asyncio.Queue, arrivals: set[asyncio.Task],
-        members: set[tuple[str, str, int]], inner: bool,
-    ) -> None:
-        """One keep-alive or arrival, alone or from a batch (``inner``); anything else is an error."""
-        if op == "arrive" and len(arrivals) >= SESSION_MAX_ARRIVALS:
-            error = ResourceLimitError(
-                f"arrive: {len(arrivals)} arrivals already wait on this session (limit "
-                f"{SESSION_MAX_ARRIVALS}); read their answers before arriving again"
-            )
-            await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
-        elif op == "arrive":
-            task = asyncio.create_task(self._session_arrive(request.id, request.arrive, out))
-            arrivals.add(task)
-            task.add_done_callback(arrivals.discard)
-        elif op == "keep_alive":
-            # Waits while ``out`` is full: the next request is read only when there is room.
-            response = self._session_keep_alive(request.id, request.keep_alive)
-            if not response.HasField("error"):
-                ka = request.keep_alive
-                key = (ka.run_id, ka.member.member_id, ka.member.incarnation)
-                if key not in members:
-                    members.add(key)
-                    self.core.stream_attached(*key)
-            await out.put(response)
-        else:
-            what = "inside a batch: must be keep_alive or arrive" if inner else "must be set (keep_alive, arrive or close)"
-            error = InvalidRequestError(f"op: {what}")
-            await out.put(pb.SessionResponse(id=request.id, error=error_message(error)))
 
     def _session_keep_alive(self, request_id: int, request: pb.KeepAliveRequest) -> pb.SessionResponse:
         try:
             return pb.SessionResponse(id=request_id, keep_alive=self.keep_alive(request))
         except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
             return pb.SessionResponse(id=request_id, error=error_message(exc))
-
-    async def _session_arrive(self, request_id: int, request: pb.ArriveRequest, out: asyncio.Queue) -> None:
-        try:
-            response, wrapped = await self.arrive(request)
-            if wrapped is not None:
-                # The writer sends it as the id's serialized SessionResponse and then the shared
-                # decided one (serialized protobuf messages concatenate as a merge; copying it
-                # into a message per member cost ~20 us at 512), or in a batch, once for all ids.
-                response = (request_id, wrapped)
-            else:
-                response = pb.SessionResponse(id=request_id, arrive=response)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - becomes this operation's Error, never the stream's
-            response = pb.SessionResponse(id=request_id, error=error_message(exc))
-        await out.put(response)  # counts as waiting (SESSION_MAX_ARRIVALS) until there is room
 
     # -- KV ----------------------------------------------------------------------------------
 
@@ -489,7 +326,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @guarded
     async def RoundJoin(self, request: pb.RoundJoinRequest, context) -> pb.RoundJoinResponse:
         run_id = v.ident("run_id", request.run_id)
-        mid, inc = _member_ref("member", request.member)
+        mid, inc = v.member_ref("member", request.member)
         c = request.config
         min_nodes, max_nodes = v.round_config("config", c.min_nodes, c.max_nodes)
         config = RoundConfig(
@@ -599,59 +436,6 @@ def _parsing(impl, request_cls, kind: str):
         return await impl(await parse(raw, context), context)
 
     return unary_handler
-
-
-_NOTHING = object()
-
-
-def _is_response(item) -> bool:
-    return isinstance(item, (tuple, pb.SessionResponse))
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _response_batch(first, out: asyncio.Queue):
-    """``first`` and the responses queued after it in ``out`` (up to SESSION_BATCH_MAX of them or
-    about SESSION_BATCH_BYTES) as one serialized SessionResponse(batch=...), and what was taken
-    from ``out`` that is not a response (or ``_NOTHING``). Built from serialized parts: a result is
-    field 1 of SessionResponseBatch, a decided arrival's shared response goes once per batch with
-    all its ids (field 2, SharedSessionResponse), and the batch is field 5 of SessionResponse."""
-    parts, shared, size, count, item, held = [], {}, 0, 0, first, _NOTHING
-    while True:
-        count += 1
-        if isinstance(item, tuple):
-            request_id, wrapped = item
-            ids = shared.get(wrapped)  # bytes cache their hash: O(1) after the first
-            if ids is None:
-                ids = shared[wrapped] = []
-                size += len(wrapped)
-            ids.append(request_id)
-            size += 10
-        else:
-            data = item.SerializeToString()
-            parts.append(b"\x0a" + _varint(len(data)) + data)
-            size += len(data)
-        if count >= SESSION_BATCH_MAX or size >= SESSION_BATCH_BYTES or not out.qsize():
-            break
-        item = out.get_nowait()
-        if not _is_response(item):
-            held = item
-            break
-    if count == 1:
-        return first, held
-    for wrapped, ids in shared.items():
-        packed = b"".join(map(_varint, ids))
-        body = b"\x0a" + _varint(len(packed)) + packed + b"\x12" + _varint(len(wrapped)) + wrapped
-        parts.append(b"\x12" + _varint(len(body)) + body)
-    inner = b"".join(parts)
-    return b"\x2a" + _varint(len(inner)) + inner, held
 
 
 def _serialize(to_bytes, response) -> bytes:

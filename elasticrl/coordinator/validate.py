@@ -59,6 +59,11 @@ def name(field: str, value: str) -> str:
     return value
 
 
+def member_ref(field: str, ref) -> tuple[str, int]:
+    """A ``MemberRef`` message's (member id, incarnation)."""
+    return ident(f"{field}.member_id", ref.member_id), incarnation(f"{field}.incarnation", ref.incarnation)
+
+
 def text(field: str, value: str, max_len: int) -> str:
     if len(value) > max_len:
         raise InvalidRequestError(f"{field}: {len(value)} characters, at most {max_len} allowed")

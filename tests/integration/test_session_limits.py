@@ -15,7 +15,7 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import wire
 from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
-from elasticrl.coordinator.service import SESSION_MAX_ARRIVALS, SESSION_MAX_PENDING
+from elasticrl.coordinator.session import SESSION_MAX_ARRIVALS, SESSION_MAX_PENDING
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,0 +1,166 @@
+"""Arrivals in groups (``CoordinatorCore.arrive_many``) and the arrivals a Session stream holds
+(``session.StreamArrivals``), on a real core with an injected clock: one commit per message, memory
+unchanged when the commit fails, one refused arrival alone, and a release as one item per stream."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import pytest
+
+from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl.coordinator import wire
+from elasticrl.coordinator.barriers import Arrival
+from elasticrl.coordinator.core import CoordinatorCore
+from elasticrl.coordinator.persist import StateDB
+from elasticrl.coordinator.session import Release, StreamArrivals
+from elasticrl.coordinator.state import Outcome
+from elasticrl.errors import FencedError, NotFoundError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def core(clock, tmp_path) -> CoordinatorCore:
+    return CoordinatorCore(StateDB(tmp_path / "state.db"), lease_ttl_s=5.0, clock=clock)
+
+
+def _commits(core: CoordinatorCore) -> list[str]:
+    statements: list[str] = []
+    core.db.connection.set_trace_callback(statements.append)
+    return statements
+
+
+def test_a_message_of_arrivals_commits_once_and_decides_once(core):
+    members = [core.join("r", f"m{i}")[0] for i in range(16)]
+    sql = _commits(core)
+    results = core.arrive_many([Arrival("r", m.member_id, m.incarnation, "b", timeout_s=10) for m in members])
+    # one transaction records the 16 arrivals (and opens the barrier), one decides it
+    assert sum(s == "COMMIT" for s in sql) == 2
+    assert sum(s.startswith("INSERT OR REPLACE INTO arrivals") for s in sql) == 16
+    assert all(r is results[0] for r in results) and results[0].outcome is Outcome.COMPLETED
+    assert results[0].arrived == sorted(m.member_id for m in members)
+
+
+def test_a_failed_commit_changes_nothing_and_fails_every_arrival_it_held(core, monkeypatch):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    batch = [Arrival("r", "a", a.incarnation, "b", timeout_s=10), Arrival("r", "b", b.incarnation, "b", timeout_s=10)]
+
+    def full(*args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(core.db, "put_arrival", full)
+    results = core.arrive_many(batch)
+    assert [type(r) for r in results] == [sqlite3.OperationalError] * 2
+    assert "b" not in core.runs["r"].barriers and not core.runs["r"].open_barriers
+    monkeypatch.undo()
+    results = core.arrive_many(batch)  # the clients' retry, once there is room
+    assert results[0].outcome is Outcome.COMPLETED and results[0].arrived == ["a", "b"]
+
+
+def test_one_refused_arrival_does_not_refuse_the_others_and_a_repeat_counts_once(core):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    c, _ = core.join("r", "c")
+    sql = _commits(core)
+    results = core.arrive_many([
+        Arrival("r", "a", a.incarnation, "x", timeout_s=10),
+        Arrival("r", "b", b.incarnation + 100, "x", timeout_s=10),  # not b's live incarnation
+        Arrival("nope", "a", a.incarnation, "x", timeout_s=10),
+        Arrival("r", "a", a.incarnation, "x", timeout_s=10),  # the same arrival twice in one message
+        Arrival("r", "c", c.incarnation, "x", timeout_s=10),
+    ])
+    assert results[0] is None and results[3] is None and results[4] is None  # still waits for b
+    assert isinstance(results[1], FencedError) and isinstance(results[2], NotFoundError)
+    assert sum(s.startswith("INSERT OR REPLACE INTO arrivals") for s in sql) == 2
+    assert core.runs["r"].barriers["x"].arrived == {"a": a.incarnation, "c": c.incarnation}
+    (result,) = core.arrive_many([Arrival("r", "b", b.incarnation, "x", timeout_s=10)])
+    assert result.arrived == ["a", "b", "c"]
+
+
+def _arrive(member, name: str, wait_s: float = 10.0) -> pb.ArriveRequest:
+    return wire.arrive_request("r", member.member_id, member.incarnation, name,
+                               timeout_s=60, policy="evict_missing", epoch=0, wait_s=wait_s)
+
+
+def _stream(core: CoordinatorCore) -> tuple[StreamArrivals, asyncio.Queue]:
+    out: asyncio.Queue = asyncio.Queue(maxsize=64)
+    decided = lambda key, result: f"{key[1]}:{','.join(result.arrived)}".encode()  # noqa: E731
+    error = lambda request_id, exc: pb.SessionResponse(id=request_id, error=pb.Error(message=str(exc)))  # noqa: E731
+    return StreamArrivals(core, out, decided, error), out
+
+
+def _drain(out: asyncio.Queue) -> list:
+    items = []
+    while not out.empty():
+        items.append(out.get_nowait())
+    return items
+
+
+def test_a_release_puts_one_item_for_every_member_waiting_on_the_stream(core):
+    members = [core.join("r", f"m{i}")[0] for i in range(5)]
+
+    async def scenario():
+        stream, out = _stream(core)
+        await stream.arrive([(i + 1, _arrive(m, "b")) for i, m in enumerate(members[:4])])
+        assert stream.count == 4 and out.empty()
+        await stream.arrive([(9, _arrive(members[4], "b"))])  # the last one: decided at once
+        items = _drain(out)
+        assert [type(i) for i in items] == [Release, Release]
+        assert items[0].ids == [1, 2, 3, 4] and items[1].ids == [9]  # the waiters, then the last
+        assert items[0].wrapped == items[1].wrapped == b"b:m0,m1,m2,m3,m4"
+        assert stream.count == 0 and stream.idle.is_set() and len(core._barrier_signals) == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_a_wait_that_runs_out_is_answered_pending_and_the_stream_stops_listening(core):
+    a, _ = core.join("r", "a")
+    core.join("r", "b")
+
+    async def scenario():
+        stream, out = _stream(core)
+        await stream.arrive([(1, _arrive(a, "b", wait_s=0.05)), (2, _arrive(a, "other", wait_s=30))])
+        await asyncio.sleep(0.2)
+        (item,) = _drain(out)
+        assert item.id == 1 and item.arrive.outcome == pb.BARRIER_OUTCOME_PENDING
+        assert stream.count == 1 and not stream.idle.is_set()
+        stream.close()
+        assert stream.count == 0 and len(core._barrier_signals) == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_a_member_evicted_while_it_waits_gets_fenced_when_the_barrier_is_decided(core, clock):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    c, _ = core.join("r", "c")
+
+    async def scenario():
+        stream, out = _stream(core)
+        await stream.arrive([(1, _arrive(a, "b")), (2, _arrive(b, "b"))])
+        core.leave("r", "a", a.incarnation)  # a leaves while it waits; c still blocks the barrier
+        assert out.empty()
+        await stream.arrive([(3, _arrive(c, "b"))])
+        items = _drain(out)
+        errors = [i for i in items if isinstance(i, pb.SessionResponse)]
+        released = [i for i in items if isinstance(i, Release)]
+        assert [e.id for e in errors] == [1] and "left" in errors[0].error.message
+        assert sorted(i for r in released for i in r.ids) == [2, 3]
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
