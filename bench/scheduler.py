@@ -14,11 +14,15 @@ rollout workers, the raw-gRPC baseline):
 * ``stream``: trajectory bytes per second. One worker streams ``--stream-groups`` big groups
   (``--stream-samples`` x ``--stream-tokens`` tokens: int32 ids + float32 logprobs) through its
   Work stream into a coordinator (in memory and with ``--state-dir``), measured from the first
-  result batch sent to the seal seen by the driver. Baseline, measured in the same run: the
-  same serialized WorkRequest messages (same size, same groups per message) over one grpc.aio
-  bidi stream to a generic handler with identity (de)serializers in another process
-  (``bench/scheduler_raw.py``): no protobuf parsing, nothing stored, one small ack per
-  message; first send -> last ack. Same message size limits (the coordinator's options) on both.
+  result batch sent to the seal seen by the driver, after ``--stream-warmup`` unmeasured
+  iterations (until the coordinator recycles an old iteration's memory and, with
+  ``--stream-keep-iterations 2``, its shard files at every seal, as for the rest of a long run).
+  Baseline, measured in the same run: the same serialized WorkRequest messages (same size,
+  batch id included, same groups per message) over one grpc.aio bidi stream to a generic handler
+  with identity (de)serializers in another process (``bench/scheduler_raw.py``): received as
+  bytes like the coordinator's Work stream, nothing parsed, nothing stored, one small ack per
+  message, no slots bounding what is in flight; first send -> last ack. Same server and channel
+  options (the coordinator's) on both.
 * ``makespan``: one iteration of ``--ms-tasks`` tasks on 3 single-slot workers of speed 1x,
   2x, 4x (task time ``--ms-base-s`` / speed), under static with equal weights, static with the
   right weights, dynamic (no weights) and dynamic with ``--ms-backup-tasks`` backups; makespan is
@@ -94,7 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream-tokens", type=int, default=4096, help="completion tokens per sample; 8 bytes each on the wire (default: %(default)s)")
     g.add_argument("--stream-slots", type=int, default=8, help="slots of the streaming worker (default: %(default)s)")
     g.add_argument("--stream-batch-bytes", type=int, default=1 << 20, help="worker result batch size, bytes of sample payload; the baseline sends the same groups per message (default: %(default)s)")
-    g.add_argument("--stream-repeats", type=int, default=5, help="measured iterations (and raw streams) per mode, after one unmeasured one; the median is reported (default: %(default)s)")
+    g.add_argument("--stream-keep-iterations", type=int, default=2, help="the stream coordinators' --keep-iterations: with 2 "
+                   "(the least allowed) every seal from the third iteration on deletes an old iteration's shards, as in a long "
+                   "run, so the measured iterations write into recycled page cache; the coordinator's default, 8, never drops "
+                   "one within a bench run (default: %(default)s)")
+    g.add_argument("--stream-repeats", type=int, default=5, help="measured iterations (and raw streams) per mode, after the warm-up; the median is reported (default: %(default)s)")
+    g.add_argument("--stream-warmup", type=int, default=3, help="unmeasured iterations (and raw streams) per mode first: 3 is until a "
+                   "coordinator frees an old iteration's trajectories at each seal (it keeps the newest 2), as it does for the rest of a "
+                   "run; before that its memory and page cache only grow, which costs a fresh VM first-touch page faults (default: %(default)s)")
     g = p.add_argument_group("makespan")
     g.add_argument("--ms-tasks", type=int, default=70, help="tasks per iteration (default: %(default)s)")
     g.add_argument("--ms-base-s", type=float, default=0.2, help="task time on the 1x worker, seconds (default: %(default)s)")
@@ -104,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ms-repeats", type=int, default=3, help="iterations per configuration; the median is reported (default: %(default)s)")
     p.add_argument("--profile", metavar="DIR", help="py-spy each coordinator over the measured stream repeats: "
                    "DIR/stream-<mode>.collapsed.txt (speedscope opens it), DIR/stream-<mode>.top.txt, and the top functions in the JSON (profile{})")
+    p.add_argument("--profile-worker", action="store_true", help="with --profile: py-spy the streaming worker too "
+                   "(DIR/stream-<mode>-worker.*); a second sampler on the same cores slows every path a little")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON document here (the tables then go to stdout); default: JSON on stdout, tables on stderr")
     return p
 
@@ -133,6 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     group_bytes = a.stream_samples * a.stream_tokens * 8
     if not group_bytes <= a.stream_batch_bytes < (64 << 20):
         parser.error(f"--stream-batch-bytes: {a.stream_batch_bytes} must hold one group ({group_bytes} B) and stay below the 64 MiB message limit")
+    if a.stream_warmup < 0:
+        parser.error(f"--stream-warmup: {a.stream_warmup} must be >= 0")
+    if a.stream_keep_iterations < 2:
+        parser.error(f"--stream-keep-iterations: {a.stream_keep_iterations} must be >= 2 (trainers fetch the newest two)")
+    if a.profile_worker and not a.profile:
+        parser.error("--profile-worker needs --profile DIR (where the profiles go)")
     if a.rt_warmup_tasks < 0 or a.ms_backup_tasks < 0 or a.ms_base_s <= 0 or a.linger_s < 0:
         parser.error("--rt-warmup-tasks and --ms-backup-tasks must be >= 0, --ms-base-s > 0, --linger-s >= 0")
     return a
@@ -192,7 +211,7 @@ class RawStream:
         if line is None:
             raise BenchError(f"raw sender: no result for stream {rep}:\n{tail(self.log_path)}")
         msg = json.loads(line)
-        if rep > 0:
+        if rep >= self.a.stream_warmup:
             self.rows.append({**msg, "seconds": msg["last_ack"] - msg["first_send"], "sink_cpu_s": process_cpu_s(self.sink.pid) - cpu0,
                               "sender_cpu_s": process_cpu_s(self.sender.pid) - sender_cpu0})
 
@@ -225,7 +244,7 @@ class CoordinatorStream:
         a = self.a = bench.a
         self.mode, self.run, self.rounds = mode, f"stream-{mode}", []
         self.bench_profiler = bench.profiler
-        self.coord = bench.coordinator(self.run, mode)
+        self.coord = bench.coordinator(self.run, mode, ["--keep-iterations", str(a.stream_keep_iterations)])
         self.client = bench.client(self.coord.address)
         spec = dict(member="s0", task_s=0, slots=a.stream_slots, tokens=a.stream_tokens, batch_bytes=a.stream_batch_bytes, linger_s=a.linger_s)
         try:
@@ -234,25 +253,27 @@ class CoordinatorStream:
             self.coord.stop()
             raise
         self.worker_pid = self.workers.workers[0].proc.pid
-        self.profiling = None
+        self.profiling: list = []
 
     def round(self, rep: int) -> None:
         a, it = self.a, rep + 1
-        if rep == 1 and self.bench_profiler is not None:  # the measured repeats, not the warm-up
-            self.profiling = self.bench_profiler.attach(self.coord.proc.pid, f"stream-{self.mode}").__enter__()
+        if rep == a.stream_warmup and self.bench_profiler is not None:  # the measured repeats, not the warm-up
+            self.profiling.append(self.bench_profiler.attach(self.coord.proc.pid, f"stream-{self.mode}").__enter__())
+            if a.profile_worker:
+                self.profiling.append(self.bench_profiler.attach(self.worker_pid, f"stream-{self.mode}-worker").__enter__())
         cpu0, worker_cpu0 = self.coord.cpu_s(), process_cpu_s(self.worker_pid)
         manifest, t0, t1 = run_iteration(self.client, self.run, it, tasks(f"i{it}-", a.stream_groups, a.stream_samples), a.timeout_s)
         if manifest["tasks_done"] != a.stream_groups:
             raise BenchError(f"stream {self.mode}: {manifest['tasks_done']}/{a.stream_groups} groups done: {manifest['seal_reason']}")
-        if rep > 0:
+        if rep >= a.stream_warmup:
             self.rounds.append({"iteration": it, "submit": t0, "seal": t1, "coordinator_cpu_s": self.coord.cpu_s() - cpu0,
                                 "worker_cpu_s": process_cpu_s(self.worker_pid) - worker_cpu0})
 
     def result(self) -> dict:
         a = self.a
-        if self.profiling is not None:
-            self.profiling.__exit__(None, None, None)
-            self.profiling = None
+        for recording in self.profiling:
+            recording.__exit__(None, None, None)
+        self.profiling = []
         rss, peak = process_rss_mb(self.coord.proc.pid)
         (report,) = self.workers.stop()
         if not report or not report["timed"]:
@@ -295,12 +316,12 @@ class Bench:
 
             self.profiler = Profiler(args.profile)
 
-    def coordinator(self, label: str, mode: str) -> Coordinator:
+    def coordinator(self, label: str, mode: str, extra_args: list[str] | None = None) -> Coordinator:
         state = None
         if mode == "durable":
             state = pathlib.Path(tempfile.mkdtemp(prefix=f"{label}-", dir=self.state_root))
             self.cleanup.callback(shutil.rmtree, state, True)
-        return Coordinator(self.tmp, label, state, self.cleanup)
+        return Coordinator(self.tmp, label, state, self.cleanup, extra_args=extra_args)
 
     def client(self, address: str):
         from elasticrl.scheduler.client import SchedulerClient
@@ -352,7 +373,7 @@ class Bench:
             paths.append(RawStream(self, self.tmp / "raw"))
             for mode in a.modes:
                 paths.append(CoordinatorStream(self, mode))
-            for rep in range(a.stream_repeats + 1):  # repeat 0 warms up
+            for rep in range(a.stream_warmup + a.stream_repeats):  # the first ones warm up
                 for path in paths:
                     path.round(rep)
             return [path.result() for path in paths]
@@ -420,12 +441,14 @@ def render(doc: dict) -> str:
         gb = a["stream_samples"] * a["stream_tokens"] * 8
         out += ["", f"Trajectory streaming: {a['stream_groups']} groups of {a['stream_samples']} samples x {a['stream_tokens']} tokens "
                     f"({gb / 1024:g} KiB/group, {a['stream_groups'] * gb / MB:.1f} MB), one worker, {a['stream_slots']} slots, "
-                    f"batches of {a['stream_batch_bytes'] / 1024:g} KiB; median of {a['stream_repeats']}.",
+                    f"batches of {a['stream_batch_bytes'] / 1024:g} KiB; median of {a['stream_repeats']} after {a['stream_warmup']} unmeasured.",
                 "MB/s = sample payload (1e6 B) / (first batch sent -> seal seen by the driver); raw: first send -> last ack.",
                 "raw = the same serialized WorkRequest messages to a generic grpc.aio handler with identity (de)serializers: "
-                "no protobuf parsing, nothing stored (an upper bound).",
+                "nothing parsed, nothing stored, no slots bounding what is in flight (an upper bound).",
+                f"coordinators keep {a['stream_keep_iterations']} sealed iterations (--keep-iterations), so each seal frees an old one's "
+                "memory and shard files once warm.",
                 "cpu s/GB: CPU seconds per GB streamed of the receiving server (coordinator / raw sink) and of the sender (worker / raw sender); "
-                f"srv RSS: the server's resident memory after all {a['stream_repeats'] + 1} iterations.",
+                f"srv RSS: the server's resident memory after all {a['stream_warmup'] + a['stream_repeats']} iterations.",
                 f"{'path':<14} {'state':<8} {'MB/s':>8} {'% of raw':>8} {'submit->seal MB/s':>17} {'groups/batch':>12} "
                 f"{'srv cpu s/GB':>12} {'snd cpu s/GB':>12} {'srv RSS MB':>10} {'goal':>10} {'':>4}"]
         for r in s:
@@ -471,7 +494,8 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
         "notes": [
             "Coordinator, workers, raw baseline and driver share this host's cores; on a cluster each worker has its own node.",
             "Stream baseline: identical serialized messages, generic grpc.aio handler with identity (de)serializers, "
-            "so no protobuf parsing and no storage: an upper bound for any protobuf service on this host.",
+            "so no parsing and no storage: an upper bound for any protobuf service on this host. The coordinator's Work "
+            "stream receives bytes the same way and reads result batches in place (elasticrl/scheduler/framing.py).",
             "Round-trip latency is taken at the worker (engine start -> ack received), so it leaves out the assignment's "
             "one-way trip from the coordinator.",
         ],
@@ -484,7 +508,7 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
             doc["roundtrip"].append(bench.roundtrip(mode))
     if "stream" in args.sections:
         log(f"stream: raw grpc.aio and coordinator ({', '.join(args.modes)}) interleaved, "
-            f"{args.stream_repeats + 1} x {args.stream_groups} groups each")
+            f"{args.stream_warmup + args.stream_repeats} x {args.stream_groups} groups each")
         doc["stream"] = bench.stream()
         if bench.profiler is not None:
             doc["profile"] = {"dir": str(args.profile), "top": bench.profiler.tops}

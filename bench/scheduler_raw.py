@@ -7,12 +7,15 @@ messages over one grpc.aio bidi stream, with no protobuf parsing and nothing sto
 
 The sink is a generic handler (``grpc.method_handlers_generic_handler``) whose (de)serializers
 are the identity, so each request arrives as the bytes sent; it answers every message with a
-small ack, as the Work stream answers every ResultBatch. Both ends use the coordinator's own
-server and channel options (``server_options``, ``wire.open_channel``), so the message size
-limits are the same. The sender builds one ``WorkRequest(results=ResultBatch(...))`` exactly as
-``RolloutWorker`` does (``result_to_pb``), serializes it once, sends a copy of it ``ceil(groups /
-batch_groups)`` times on one stream without waiting for acks (the worker does not wait either),
-and prints one JSON line per round: first send and last ack (CLOCK_MONOTONIC seconds), bytes.
+small ack, as the Work stream answers every ResultBatch. The coordinator's Work stream takes its
+requests as bytes too (a registered method without a deserializer; it reads result batches in
+place), so both receive the same way. Both ends use the coordinator's own server and channel
+options (``server_options``, ``wire.open_channel``), so the message size limits are the same.
+The sender builds one serialized ``WorkRequest(results=ResultBatch(...))`` exactly as
+``RolloutWorker`` does (``framing.result_batch_request``, with a batch id of the same length),
+sends a copy of it ``ceil(groups / batch_groups)`` times on one stream without waiting for acks
+(the worker waits for nothing either, but its slots bound what it has in flight), and prints one
+JSON line per round: first send and last ack (CLOCK_MONOTONIC seconds), bytes.
 With ``--on-stdin`` it sends one round per line read from stdin (until EOF), so a driver can
 interleave its rounds with other measurements.
 """
@@ -64,18 +67,18 @@ async def serve(port_file: str) -> None:
 
 
 def batch_message(groups: int, samples: int, tokens: int) -> tuple[bytes, int]:
-    """One serialized ``WorkRequest`` of ``groups`` groups, as ``RolloutWorker`` builds it, and its
-    sample payload bytes."""
-    from elasticrl._proto import scheduler_pb2 as spb
-    from elasticrl.scheduler.convert import result_to_pb
+    """One serialized ``WorkRequest`` of ``groups`` groups, as ``RolloutWorker`` builds it (batch
+    id included), and its sample payload bytes."""
+    import uuid
+
+    from elasticrl.scheduler.framing import result_batch_request
     from elasticrl.scheduler.state import GroupRecord, SampleRecord
 
     ids = array.array("i", range(1000, 1000 + tokens)).tobytes()
     lps = array.array("f", [-0.5] * tokens).tobytes()
     group_samples = [SampleRecord(ids, lps, reward=float(j % 2), finish_reason="length") for j in range(samples)]
-    pbs = [result_to_pb(1, GroupRecord(f"t{i:06d}", "", 0, 0.0, 0.0, group_samples)) for i in range(groups)]
-    request = spb.WorkRequest(results=spb.ResultBatch(groups=pbs))
-    return request.SerializeToString(), groups * samples * len(ids + lps)
+    batch = [(1, GroupRecord(f"t{i:06d}", "", 0, 0.0, 0.0, group_samples)) for i in range(groups)]
+    return result_batch_request(batch, uuid.uuid4().hex), groups * samples * len(ids + lps)
 
 
 async def send(args: argparse.Namespace) -> None:

@@ -66,7 +66,7 @@ class TimedWorker(RolloutWorker):
             self._acked = _AckClock(self)
 
     def _flush(self) -> None:
-        keys = [(g.iteration, g.task_id) for g in getattr(self, "_pending", ())]
+        keys = [(iteration, g.task_id) for iteration, g in getattr(self, "_pending", ())]
         super()._flush()
         if keys and self.timed:
             now = time.monotonic()

@@ -100,14 +100,13 @@ def group_from_pb(field: str, g: spb.TrajectoryGroup) -> tuple[int, GroupRecord]
     return g.iteration, GroupRecord(g.task_id, "", g.policy_version, g.gen_seconds, g.reward_seconds, samples)
 
 
-def group_to_pb(iteration: int, g: GroupRecord, spec: TaskSpec) -> spb.TrajectoryGroup:
-    """A stored group as a trainer receives it: the result plus what the coordinator knows."""
-    msg = result_to_pb(iteration, g)
-    msg.node = g.node
-    msg.prompt_ids.extend(spec.prompt_ids)
-    msg.split = SPLIT_TO_PB[spec.split]
-    msg.metadata_json = spec.metadata_json
-    return msg
+def served_fields_pb(node: str, spec: TaskSpec) -> bytes:
+    """The ``TrajectoryGroup`` fields the coordinator fills when a trainer fetches a group (node,
+    prompt_ids, split, metadata_json), serialized: appended to the stored group's bytes they make
+    the group a trainer receives (protobuf merges concatenated messages)."""
+    return spb.TrajectoryGroup(
+        node=node, prompt_ids=spec.prompt_ids, split=SPLIT_TO_PB[spec.split], metadata_json=spec.metadata_json,
+    ).SerializeToString()
 
 
 def manifest_to_pb(m: dict) -> spb.IterationManifest:
@@ -154,7 +153,8 @@ def fetched_from_pb(g: spb.TrajectoryGroup) -> FetchedGroup:
 
 
 def result_to_pb(iteration: int, g: GroupRecord) -> spb.TrajectoryGroup:
-    """What a worker sends for one finished task."""
+    """What a worker sends for one finished task (as a message; ``RolloutWorker`` itself sends the
+    same bytes built by ``framing.result_batch_request``)."""
     return spb.TrajectoryGroup(
         iteration=iteration,
         task_id=g.task_id,

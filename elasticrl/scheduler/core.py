@@ -5,20 +5,20 @@ membership it trusts: a worker is a member of the iteration's run, and when that
 being live the core's listener requeues everything it held). Like the coordinator core, every
 change is written first (a shard file for accepted groups, then SQLite), then applied in memory,
 then pushed to whoever waits: a worker's outbox (assignments, cancels, acks) or a seal waiter.
+The result path (decide on arrival, write the shards, commit, ack) is ``results.ResultBook``,
+which this class inherits; the stream records (``WorkerConn``, outbox messages) are in ``stream``.
 
 Invariants:
   * a task is DONE at most once; its group is the first result accepted for it, and every other
     result for it is refused and counted (duplicate, fenced, sealed), never stored;
   * a worker never holds more copies than its slots, and a copy it holds is freed only by its
-    result, its release, a cancel sent to it, or its stream closing;
+    result's arrival, its release, a cancel sent to it, or its stream closing;
   * an evicted (or disconnected) worker's running tasks go back to the front of the queue at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import dataclasses
 import logging
 import math
 import time
@@ -28,7 +28,6 @@ from elasticrl.coordinator.core import CoordinatorCore
 from elasticrl.coordinator.signals import Signals
 from elasticrl.coordinator.state import Member, MemberStatus
 from elasticrl.errors import (
-    CoordinatorUnavailableError,
     FencedError,
     InvalidRequestError,
     NotFoundError,
@@ -37,6 +36,7 @@ from elasticrl.errors import (
 )
 from elasticrl.scheduler import accounting, policy, recovery
 from elasticrl.scheduler.persist import SchedulerDB
+from elasticrl.scheduler.results import ResultBook
 from elasticrl.scheduler.state import (
     MAX_ERRORS,
     RELEASE_STOPPING,
@@ -52,6 +52,9 @@ from elasticrl.scheduler.state import (
     Worker,
 )
 from elasticrl.scheduler.store import TrajectoryStore
+from elasticrl.scheduler.stream import Ack, Assign, Cancel, Decided, End, WorkerConn
+
+__all__ = ["Ack", "Assign", "Cancel", "Decided", "End", "SchedulerCore", "WorkerConn"]  # the stream records, for callers of the core
 
 log = logging.getLogger(__name__)
 
@@ -68,50 +71,7 @@ DEFAULT_KEEP_ITERATIONS = 8
 REDISPATCH_S = 0.5
 
 
-@dataclasses.dataclass
-class Assign:
-    items: list[tuple[int, TaskSpec, float, bool]]
-    """(iteration, task, lease seconds, is backup copy)."""
-
-
-@dataclasses.dataclass
-class Cancel:
-    iteration: int
-    task_ids: list[str]
-
-
-@dataclasses.dataclass
-class Ack:
-    accepted: int
-    refused: list[tuple[int, str, str]]
-    """(iteration, task id, reason)."""
-
-
-@dataclasses.dataclass
-class End:
-    """Close the stream; with an error, fail it with that error's status."""
-
-    error: Exception | None = None
-
-
-class WorkerConn:
-    """One worker's open stream: its state plus the outbox the stream writer drains."""
-
-    def __init__(self, run_id: str, worker: Worker):
-        self.run_id = run_id
-        self.worker = worker
-        self.outbox: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-        self.fenced_at: float | None = None
-        self.draining = False
-        """The worker said it is stopping (``RELEASE_STOPPING``): nothing more is handed to it."""
-
-    def send(self, message) -> None:
-        if not self.closed:
-            self.outbox.put_nowait(message)
-
-
-class SchedulerCore:
+class SchedulerCore(ResultBook):
     def __init__(
         self,
         coord: CoordinatorCore,
@@ -134,6 +94,8 @@ class SchedulerCore:
         self.conns: dict[str, dict[str, WorkerConn]] = collections.defaultdict(dict)
         self._seal_signals = Signals()
         self._dispatched_at: dict[str, float] = {}
+        # Batch id -> its batch between ``decide`` and ``commit`` (a re-sent copy waits for it).
+        self._deciding: dict[str, Decided] = {}
         now = self.clock()
         self._elapsed_at_seal: dict[tuple[str, int], float] = {}
         for it, elapsed in self.db.load(now, wall_clock()):
@@ -145,6 +107,9 @@ class SchedulerCore:
             if recovery.restore_groups(it, store, self.db) and it.sealed:
                 store.write_manifest(it.run_id, it.iteration, self.manifest(it))
         self._wall = wall_clock
+        dropped = store.remove_dropped({(r, i) for r, its in self.iterations.items() for i in its})
+        if dropped:
+            log.warning("scheduler: removed %d shard file(s) of iterations dropped before the last stop", len(dropped))
         for run_id in list(self.iterations):  # a smaller --keep-iterations applies at once
             self._trim(run_id)
         coord.gone_listeners.append(self._member_gone)
@@ -440,105 +405,6 @@ class SchedulerCore:
         if stats.first_assigned_at is None:
             stats.first_assigned_at = now
         return (it.iteration, task.spec, lease, backup)
-
-    # -- results -----------------------------------------------------------------------------
-
-    def accept(
-        self, conn: WorkerConn, groups: list[tuple[int, GroupRecord]], batch_id: str = "",
-    ) -> tuple[Ack | None, Exception | None]:
-        """Store the first result of each task; refuse (and count) every other one.
-
-        Returns (ack, error). With an error the stream ends after the ack: FencedError when the
-        worker is fenced; CoordinatorUnavailableError, with no ack, when the groups could not be
-        stored (disk full, say): nothing changed, the tasks stay leased to the worker, which sends
-        the batch again on a new stream. A batch re-sent after it was stored (same ``batch_id``)
-        gets its first ack back, counted once.
-        """
-        worker = conn.worker
-        replay = self.coord.replies.get(batch_id, "results")
-        if replay is not None:
-            for iteration, group in groups:
-                worker.holding.discard((iteration, group.task_id))
-            return Ack(replay["accepted"], [tuple(r) for r in replay["refused"]]), None
-        run = self.coord.runs.get(conn.run_id)
-        fenced = worker.fenced or run is None or not run.is_live(worker.member_id, worker.incarnation)
-        refused: list[tuple[int, str, str]] = []
-        fresh: dict[int, list[GroupRecord]] = collections.defaultdict(list)
-        touched: dict[int, Iteration] = {}
-        for iteration, group in groups:  # decide, changing nothing yet
-            it = self.iterations.get(conn.run_id, {}).get(iteration)
-            task = it.tasks.get(group.task_id) if it is not None else None
-            if task is None:
-                refused.append((iteration, group.task_id, "unknown"))
-                continue
-            touched[iteration] = it
-            if fenced:
-                refused.append((iteration, group.task_id, "fenced"))
-            elif task.status is TaskStatus.DONE or any(g.task_id == group.task_id for g in fresh[iteration]):
-                refused.append((iteration, group.task_id, "duplicate"))
-            elif it.sealed:
-                refused.append((iteration, group.task_id, "sealed"))
-            else:
-                group.node = worker.member_id  # the incoming record, not shared state: stored with it
-                fresh[iteration].append(group)
-        shards: dict[int, str] = {}
-        for iteration, batch in fresh.items():  # the shards first: a commit never points at a missing file
-            it = touched[iteration]
-            try:
-                shards[iteration] = self.store.write_shard(
-                    conn.run_id, iteration, [(g, it.tasks[g.task_id].spec.prompt_ids) for g in batch]
-                )
-            except OSError as exc:
-                log.error("run %s iteration %d: could not store %d result(s) of worker %s: %s; it sends them again",
-                          conn.run_id, iteration, len(batch), worker.member_id, exc)
-                return None, CoordinatorUnavailableError(
-                    f"could not store results of iteration {iteration} ({exc}); send them again on a new stream"
-                )
-        ack = Ack(sum(len(b) for b in fresh.values()), refused)
-        reply = {"accepted": ack.accepted, "refused": [list(r) for r in refused]}
-        now = self.clock()
-        staged = {i: accounting.staged_counters(it, worker.member_id, refused, fresh.get(i, []), now) for i, it in touched.items()}
-        with self.db.tx() as db:
-            for iteration, it in touched.items():
-                if fresh.get(iteration):
-                    db.put_done(it, [g.task_id for g in fresh[iteration]], worker.member_id, shards[iteration])
-                counters, node = staged[iteration]
-                db.put_counters(it, counters, {worker.member_id: node})
-            self.coord.replies.record(batch_id, "results", reply)
-        self.coord.replies.remember(batch_id)
-        # Committed: now memory follows.
-        for iteration, group in groups:
-            worker.holding.discard((iteration, group.task_id))
-            it = touched.get(iteration)
-            if it is not None:
-                it.tasks[group.task_id].holders.pop(worker.member_id, None)
-        for _, task_id, reason in refused:
-            self.metrics.refused.inc(run=conn.run_id, reason=reason)
-        for iteration, it in sorted(touched.items()):
-            it.counters, it.nodes[worker.member_id] = staged[iteration]
-            batch = fresh.get(iteration, [])
-            for g in batch:
-                self._complete(it, it.tasks[g.task_id], g, shards[iteration])
-            if batch:
-                self.metrics.accepted.inc(len(batch), run=conn.run_id)
-                self.metrics.trajectory_bytes.inc(sum(g.num_bytes for g in batch), run=conn.run_id)
-            self._maybe_seal(it)
-        if fenced and groups:
-            log.info("run %s: refused %d result(s) from fenced worker %s (incarnation %d)",
-                     conn.run_id, len(groups), worker.member_id, worker.incarnation)
-            end = FencedError(f"worker {worker.member_id!r} incarnation {worker.incarnation} is no longer live; join again")
-            return ack, end
-        self._dispatch(conn.run_id)
-        return ack, None
-
-    def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str) -> None:
-        """Apply a committed result in memory (the node's stats come from ``_staged_counters``)."""
-        task.status = TaskStatus.DONE
-        task.done_by = group.node
-        it.groups[task.spec.task_id] = group
-        it.shard_of[task.spec.task_id] = shard
-        self._cancel_copies(it, task.spec.task_id, keep=group.node)
-        task.holders.clear()
 
     def _cancel_copies(self, it: Iteration, task_id: str, keep: str = "") -> None:
         """Tell every other worker running ``task_id`` to drop it; their slots are free again."""

@@ -70,12 +70,44 @@ def pick_tasks(it: Iteration, worker: Worker, free: int, *, retry_anywhere: bool
     if it.config.policy is Policy.DYNAMIC and budget > 0 and len(picked) < free and not _queued_left(it, picked):
         stragglers = sorted(
             (t for t in it.tasks.values()
-             if t.status is TaskStatus.RUNNING and len(t.holders) == 1 and worker.member_id not in t.holders),
+             if t.status is TaskStatus.RUNNING and len(t.holders) == 1 and worker.member_id not in t.holders
+             and not t.storing),
             key=lambda t: (min(h.assigned_at for h in t.holders.values()), t.seq),
         )
         for task in stragglers[: min(budget, free - len(picked))]:
             picked.append((task.spec.task_id, True))
     return picked
+
+
+def sort_results(
+    iterations: dict[int, Iteration], groups: list, fenced: bool,
+) -> tuple[dict[int, list], list[tuple[int, str, str]]]:
+    """Which results of one batch (``(iteration, group)`` pairs) are stored and which are refused,
+    with the reason: "unknown" (no such task), "fenced" (the worker's incarnation is not live),
+    "duplicate" (the task is done, its result is being stored, or it is in this batch twice),
+    "sealed" (the iteration sealed first). Returns ({iteration: [group, ...]}, [(iteration,
+    task id, reason), ...])."""
+    fresh: dict[int, list] = {}
+    refused: list[tuple[int, str, str]] = []
+    seen: set[tuple[int, str]] = set()
+    for iteration, group in groups:
+        it = iterations.get(iteration)
+        task = it.tasks.get(group.task_id) if it is not None else None
+        if task is None:
+            refused.append((iteration, group.task_id, "unknown"))
+            continue
+        if fenced:
+            reason = "fenced"
+        elif task.status is TaskStatus.DONE or task.storing or (iteration, group.task_id) in seen:
+            reason = "duplicate"
+        elif it.sealed:
+            reason = "sealed"
+        else:
+            seen.add((iteration, group.task_id))
+            fresh.setdefault(iteration, []).append(group)
+            continue
+        refused.append((iteration, group.task_id, reason))
+    return fresh, refused
 
 
 def _queued_left(it: Iteration, picked: list[tuple[str, bool]]) -> bool:

@@ -204,6 +204,9 @@ class Task:
     """Failed attempts (environment errors); at ``max_task_failures`` the task is FAILED."""
     failed_on: set[str] = dataclasses.field(default_factory=set)
     """Workers an attempt failed on: a retry goes elsewhere while another worker can take it."""
+    storing: bool = False
+    """A result for it arrived and is being stored (its shard written, then committed): a second
+    copy is refused as a duplicate meanwhile, and it is not handed out as a backup."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -9,7 +9,20 @@ A sealed iteration also gets ``manifest.json``. Layout::
     <state-dir>/trajectories/<run id>/<iteration, 8 digits>/shard-<n>.safetensors
                                                            /manifest.json
 
-A shard is self-describing (no pickle): flat tensors plus a JSON header.
+A shard is self-describing (no pickle): a safetensors file, flat tensors plus a JSON header.
+Format v3 (written since the trajectory path stopped decoding samples on arrival):
+
+    groups         uint8 [B]  each group's ``TrajectoryGroup`` message (proto/elasticrl/v1/
+                              scheduler.proto, fields 1-6: iteration, task_id, samples,
+                              policy_version, gen_seconds, reward_seconds), back to back: the bytes
+                              its worker sent, checked on arrival (``framing.read_group``)
+    group_bytes    int64 [G]  the length of each
+    prompt_ids     int32 [P]  every group's prompt, back to back
+    prompt_lengths int32 [G]
+    metadata "groups": JSON list of {task_id, node}
+
+so writing one is a header and the received bytes in one ``writev``, and a group read back is
+served to a trainer as it is. Formats v1 and v2 (per-sample tensors) are still read:
 
     completion_ids int32 [T]   every sample's (episode's) tokens, back to back
     logprobs       float32 [T] the sampling policy's logprob of each of them (0 off the loss mask)
@@ -25,7 +38,7 @@ A shard is self-describing (no pickle): flat tensors plus a JSON header.
     metadata "groups": JSON list of {task_id, node, policy_version, gen_seconds, reward_seconds,
                        finish_reasons, texts}
 
-Format v1 shards (before multi-turn episodes) have no loss_mask/turns/env_s/truncated and read as
+v1 shards (before multi-turn episodes) have no loss_mask/turns/env_s/truncated and read as
 single-turn completions trained on every token.
 
 Without a state dir (``root=None``) the records themselves are kept in memory (no encoding): same
@@ -34,6 +47,7 @@ interface, not durable, and ``forget`` drops an old iteration's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -41,9 +55,13 @@ import pathlib
 import numpy as np
 from safetensors.numpy import load as st_load
 
+from elasticrl.scheduler import framing
 from elasticrl.scheduler.state import GroupRecord, SampleRecord
 
-FORMAT = "elasticrl.trajectories.v2"
+FORMAT = "elasticrl.trajectories.v3"
+LEGACY_FORMATS = ("elasticrl.trajectories.v1", "elasticrl.trajectories.v2")
+# A group as the store keeps it: decoded, or as its worker sent it.
+Group = GroupRecord | framing.WireGroup
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-[0-9][0-9][0-9][0-9][0-9][0-9].safetensors"
 
@@ -52,29 +70,53 @@ class TrajectoryStore:
     def __init__(self, root: str | os.PathLike | None, *, fsync: bool = False):
         self.root = None if root is None else pathlib.Path(root)
         self.fsync = fsync
-        self._memory: dict[tuple[str, int, str], bytes] = {}
+        self._memory: dict[tuple[str, int, str], list[tuple[Group, list[int]]]] = {}
         self._next: dict[tuple[str, int], int] = {}
+        self._reaper: concurrent.futures.ThreadPoolExecutor | None = None  # deletes dropped shards
+        self._reaping: list[concurrent.futures.Future] = []
 
     def iteration_dir(self, run_id: str, iteration: int) -> pathlib.Path:
         assert self.root is not None, "in-memory store has no directories"
         return self.root / run_id / f"{iteration:08d}"
 
-    def write_shard(self, run_id: str, iteration: int, groups: list[tuple[GroupRecord, list[int]]]) -> str:
+    def write_shard(self, run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> str:
         """Store ``(group, prompt ids)`` pairs as one new shard; returns its name."""
+        name = self.reserve(run_id, iteration)
+        self.write(run_id, iteration, name, groups)
+        return name
+
+    def reserve(self, run_id: str, iteration: int) -> str:
+        """The name of the iteration's next shard (on the event loop: names are handed out in order)."""
         key = (run_id, iteration)
         n = self._next.get(key)
         if n is None:
             n = self._first_free(run_id, iteration)
         self._next[key] = n + 1
-        name = f"shard-{n:06d}.safetensors"
+        return f"shard-{n:06d}.safetensors"
+
+    def write(self, run_id: str, iteration: int, name: str, groups: list[tuple[Group, list[int]]]) -> None:
+        """Store ``groups`` as shard ``name`` (from ``reserve``). Durable, it only writes files, so
+        it may run in a worker thread while the event loop goes on (``core.ResultPipeline``).
+
+        Raises:
+            OSError: the file could not be written (nothing was renamed into place).
+        """
         if self.root is None:
             # Nothing has to survive a restart: keep the records, skip the encoding.
             self._memory[(run_id, iteration, name)] = list(groups)
-            return name
+            return
         directory = self.iteration_dir(run_id, iteration)
         _make_dirs(directory, fsync=self.fsync)
         atomic_write(directory / name, shard_chunks(run_id, iteration, groups), fsync=self.fsync)
-        return name
+
+    def discard(self, run_id: str, iteration: int, name: str) -> None:
+        """Remove shard ``name`` (written, or being written, for a batch that will not be committed)
+        if it is there. A write still running when this is called leaves an orphan, which the
+        next start-up removes (``remove_unreferenced``), as it does a crash's."""
+        if self.root is None:
+            self._memory.pop((run_id, iteration, name), None)
+            return
+        (self.iteration_dir(run_id, iteration) / name).unlink(missing_ok=True)
 
     def _first_free(self, run_id: str, iteration: int) -> int:
         """After a restart, continue numbering after every shard on disk (committed or not)."""
@@ -85,15 +127,58 @@ class TrajectoryStore:
         return 1 + max((int(n[6:12]) for n in names), default=-1)
 
     def drop(self, run_id: str, iteration: int) -> None:
-        """Delete an iteration's shards (retention); its manifest stays, for the record."""
+        """Delete an iteration's shards (retention); its manifest stays, for the record.
+
+        The files are unlinked by a background thread: unlinking an iteration's hundred 1 MiB
+        shards took 20-35 ms here, a stall of the event loop (every stream, every barrier) at each
+        seal. Nothing refers to them any more (SQLite and memory forgot the iteration first); a
+        process that ends before they are gone leaves them to ``remove_dropped`` at its next start.
+        """
         self._next.pop((run_id, iteration), None)
         if self.root is None:
             self.forget(run_id, iteration)
             return
         directory = self.iteration_dir(run_id, iteration)
         if directory.exists():
-            for path in [*directory.glob(SHARD_GLOB), *directory.glob("*.tmp")]:
-                path.unlink(missing_ok=True)
+            paths = [*directory.glob(SHARD_GLOB), *directory.glob("*.tmp")]
+            if paths:
+                self._reap(paths)
+
+    def _reap(self, paths: list[pathlib.Path]) -> None:
+        if self._reaper is None:
+            self._reaper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-delete")
+        self._reaping = [f for f in self._reaping if not f.done()]
+        self._reaping.append(self._reaper.submit(_unlink_all, paths))
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the shards dropped so far are deleted.
+
+        Raises:
+            TimeoutError: they were not, within ``timeout_s``.
+        """
+        _, late = concurrent.futures.wait(self._reaping, timeout=timeout_s)
+        if late:
+            raise TimeoutError(f"{len(late)} shard deletion(s) still running after {timeout_s:g}s")
+        self._reaping = []
+
+    def remove_dropped(self, kept: set[tuple[str, int]]) -> list[pathlib.Path]:
+        """At start-up: delete the shard and temp files of every iteration directory that is not
+        one of ``kept`` (the iterations SQLite holds), leaving manifests and other files. Those are
+        shards of iterations dropped by a process that ended before its ``drop`` finished."""
+        if self.root is None or not self.root.is_dir():
+            return []
+        gone = []
+        for run_dir in self.root.iterdir():
+            if not run_dir.is_dir():
+                continue
+            for directory in run_dir.iterdir():
+                name = directory.name
+                if len(name) != 8 or not name.isdigit() or (run_dir.name, int(name)) in kept or not directory.is_dir():
+                    continue
+                paths = [*directory.glob(SHARD_GLOB), *directory.glob("*.tmp")]
+                _unlink_all(paths)
+                gone += paths
+        return gone
 
     def forget(self, run_id: str, iteration: int) -> bool:
         """In-memory store: drop an iteration's shards (nothing else holds them). Durable: no-op."""
@@ -103,7 +188,7 @@ class TrajectoryStore:
             del self._memory[key]
         return True
 
-    def read_shard(self, run_id: str, iteration: int, name: str) -> list[tuple[GroupRecord, list[int]]]:
+    def read_shard(self, run_id: str, iteration: int, name: str) -> list[tuple[Group, list[int]]]:
         if self.root is None:
             return list(self._memory[(run_id, iteration, name)])
         else:
@@ -140,21 +225,46 @@ class TrajectoryStore:
         atomic_write(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode(), fsync=self.fsync)
 
 
+def _unlink_all(paths: list[pathlib.Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def atomic_write(path: pathlib.Path, data: bytes | memoryview | list, *, fsync: bool) -> None:
-    """Write ``data`` (bytes, or a list of chunks) to ``path`` under a temporary name, then rename
+    """Write ``data`` (bytes, or a list of buffers) to ``path`` under a temporary name, then rename
     it (the weight store uses it too)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if isinstance(data, list):
-            f.writelines(data)
-        else:
-            f.write(data)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data if isinstance(data, list) else [data])
         if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     if fsync:  # make the rename itself durable: without it a crash can lose a committed shard
         fsync_dir(path.parent)
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """``buffers`` one after the other, in as few ``writev`` calls as the kernel allows: a shard is a
+    header plus its groups' received bytes, and one call per buffer through a buffered file (the
+    format before v3 had ~100 per MiB) cost several times the copy itself here."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    first = 0
+    while first < len(views):
+        n = os.writev(fd, views[first:first + _IOV_MAX])
+        while n:  # a short write: drop what went out, go on from the middle of a buffer
+            size = len(views[first])
+            if n >= size:
+                n -= size
+                first += 1
+            else:
+                views[first] = views[first][n:]
+                n = 0
+
+
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
 def _make_dirs(directory: pathlib.Path, *, fsync: bool) -> None:
@@ -181,37 +291,30 @@ def fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-_DTYPES = {"<i4": "I32", "<f4": "F32", "|u1": "U8"}
-_ITEMSIZE = {"I32": 4, "F32": 4, "U8": 1}
+_DTYPES = {"<i4": "I32", "<f4": "F32", "|u1": "U8", "<i8": "I64"}
+_ITEMSIZE = {"I32": 4, "F32": 4, "U8": 1, "I64": 8}
 
 
-def shard_chunks(run_id: str, iteration: int, groups: list[tuple[GroupRecord, list[int]]]) -> list:
-    """The safetensors file of ``groups`` as a list of buffers to write one after the other.
+def shard_chunks(run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> list:
+    """The v3 safetensors file of ``groups`` as a list of buffers to write one after the other.
 
     Written by hand (8-byte header length, JSON header, raw data) because ``safetensors.numpy.save``
-    costs ~2 ms per MiB here (it builds the file in a growing Rust buffer, then copies it to bytes),
-    more than everything else the coordinator does with a result batch; the sample bytes go out
-    as they came in, without a copy.
+    costs ~2 ms per MiB here (it builds the file in a growing Rust buffer, then copies it to bytes);
+    a received group goes out as the slice of the message it came in, without a copy.
     """
-    samples = [s for g, _ in groups for s in g.samples]
+    wires, lengths = [], []
+    for g, _ in groups:
+        parts, n = framing.group_parts(iteration, g)
+        wires += parts
+        lengths.append(n)
     small = {
-        "sample_tokens": np.array([s.num_tokens for s in samples], dtype="<i4"),
-        "rewards": np.array([s.reward for s in samples], dtype="<f4"),
-        "turns": np.array([s.turns for s in samples], dtype="<i4"),
-        "env_s": np.array([s.env_s for s in samples], dtype="<f4"),
-        "truncated": np.array([s.truncated for s in samples], dtype="u1"),
-        "group_samples": np.array([len(g.samples) for g, _ in groups], dtype="<i4"),
+        "group_bytes": np.array(lengths, dtype="<i8"),
         "prompt_ids": np.array([t for _, p in groups for t in p], dtype="<i4"),
         "prompt_lengths": np.array([len(p) for _, p in groups], dtype="<i4"),
     }
-    tensors = [
-        ("completion_ids", "I32", [s.completion_ids for s in samples]),
-        ("logprobs", "F32", [s.logprobs for s in samples]),
-        ("loss_mask", "U8", [s.loss_mask or b"\x01" * s.num_tokens for s in samples]),
-    ] + [(k, _DTYPES[v.dtype.str], [v.tobytes()]) for k, v in small.items()]
-    header: dict = {"__metadata__": {
-        "format": FORMAT, "run_id": run_id, "iteration": str(iteration), "groups": json.dumps(_group_header(groups)),
-    }}
+    tensors = [("groups", "U8", wires)] + [(k, _DTYPES[v.dtype.str], [v.tobytes()]) for k, v in small.items()]
+    meta = [{"task_id": g.task_id, "node": g.node} for g, _ in groups]
+    header: dict = {"__metadata__": {"format": FORMAT, "run_id": run_id, "iteration": str(iteration), "groups": json.dumps(meta)}}
     data, offset = [], 0
     for name, dtype, buffers in tensors:
         size = sum(len(b) for b in buffers)
@@ -223,26 +326,61 @@ def shard_chunks(run_id: str, iteration: int, groups: list[tuple[GroupRecord, li
     return [len(head).to_bytes(8, "little"), head, *data]
 
 
-def encode_shard(run_id: str, iteration: int, groups: list[tuple[GroupRecord, list[int]]]) -> bytes:
+def encode_shard(run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> bytes:
     return b"".join(shard_chunks(run_id, iteration, groups))
 
 
-def _group_header(groups: list[tuple[GroupRecord, list[int]]]) -> list[dict]:
-    return [
-        {
-            "task_id": g.task_id,
-            "node": g.node,
-            "policy_version": g.policy_version,
-            "gen_seconds": g.gen_seconds,
-            "reward_seconds": g.reward_seconds,
-            "finish_reasons": [s.finish_reason for s in g.samples],
-            "texts": [s.text for s in g.samples],
-        }
-        for g, _ in groups
-    ]
+def decode_shard(data: bytes) -> list[tuple[Group, list[int]]]:
+    """The ``(group, prompt ids)`` pairs of a shard file of any format this store ever wrote.
+
+    Raises:
+        ValueError (or a safetensors/JSON/InvalidRequestError error): the file is damaged.
+    """
+    header, base = _header(data)
+    fmt = header.get("__metadata__", {}).get("format", "")
+    if fmt in LEGACY_FORMATS:
+        return _decode_legacy(data)
+    if fmt != FORMAT:
+        raise ValueError(f"shard format {fmt!r} is not one this coordinator reads ({FORMAT}, {', '.join(LEGACY_FORMATS)})")
+    meta = json.loads(header["__metadata__"]["groups"])
+    lengths = _tensor(data, header, base, "group_bytes", "<i8").tolist()
+    prompts = _tensor(data, header, base, "prompt_ids", "<i4").tolist()
+    prompt_lengths = _tensor(data, header, base, "prompt_lengths", "<i4").tolist()
+    if not len(meta) == len(lengths) == len(prompt_lengths):
+        raise ValueError(f"shard header lists {len(meta)} groups, {len(lengths)} lengths, {len(prompt_lengths)} prompts")
+    at, end = (base + x for x in header["groups"]["data_offsets"])
+    if sum(lengths) != end - at:
+        raise ValueError("shard groups tensor does not hold the lengths it lists")
+    out, pr = [], 0
+    for k, (m, n, p_len) in enumerate(zip(meta, lengths, prompt_lengths)):
+        _, group = framing.read_group(f"shard group {k}", data, at, at + n, node=m["node"])
+        if group.task_id != m["task_id"]:
+            raise ValueError(f"shard group {k} is task {group.task_id!r}, its header says {m['task_id']!r}")
+        out.append((group, prompts[pr:pr + p_len]))
+        at += n
+        pr += p_len
+    return out
 
 
-def decode_shard(data: bytes) -> list[tuple[GroupRecord, list[int]]]:
+def _header(data: bytes) -> tuple[dict, int]:
+    """A safetensors buffer's JSON header and where its data starts, checked against its length."""
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or 8 + n > len(data):
+        raise ValueError(f"shard of {len(data)} bytes is shorter than its header says ({n} bytes of header)")
+    header = json.loads(data[8:8 + n])
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    if max(ends, default=0) > len(data) - 8 - n:
+        raise ValueError(f"shard is truncated: {len(data)} bytes, its header needs {8 + n + max(ends)}")
+    return header, 8 + n
+
+
+def _tensor(data: bytes, header: dict, base: int, name: str, dtype: str) -> np.ndarray:
+    a, b = header[name]["data_offsets"]
+    return np.frombuffer(data, dtype=dtype, count=(b - a) // np.dtype(dtype).itemsize, offset=base + a)
+
+
+def _decode_legacy(data: bytes) -> list[tuple[GroupRecord, list[int]]]:
+    """Formats v1 and v2: per-sample tensors, the groups' fields in the JSON header."""
     tensors = st_load(data)
     header = json.loads(_metadata(data)["groups"])
     ids = tensors["completion_ids"].astype("<i4", copy=False)

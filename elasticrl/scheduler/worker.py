@@ -30,15 +30,23 @@ from collections.abc import Callable
 import grpc
 
 from elasticrl._proto import scheduler_pb2 as spb
-from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.aio_session import worth_reopening
 from elasticrl.errors import CoordinatorUnavailableError, ElasticRLError, FencedError
-from elasticrl.scheduler.convert import result_to_pb, task_from_pb
+from elasticrl.scheduler import framing
+from elasticrl.scheduler.convert import task_from_pb
 from elasticrl.scheduler.state import RELEASE_STOPPING, GroupRecord, TaskFailure, TaskSpec
 
 log = logging.getLogger(__name__)
+
+
+WORK_METHOD = "/elasticrl.v1.Scheduler/Work"
+
+
+def _request_bytes(request: spb.WorkRequest | bytes) -> bytes:
+    """The Work stream's serializer: result batches are already bytes (``framing``), the rest messages."""
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 @dataclasses.dataclass
@@ -132,10 +140,12 @@ class RolloutWorker:
         self._client: AsyncCoordinatorClient | None = None
         self._running: dict[tuple[int, str], Assignment] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._pending: list[spb.TrajectoryGroup] = []
+        # The next result batch's groups, (iteration, group); serialized when it is sent.
+        self._pending: list[tuple[int, GroupRecord]] = []
         self._pending_bytes = 0
         self._flush_timer: asyncio.TimerHandle | None = None
-        self.unacked: collections.deque[spb.WorkRequest] = collections.deque()
+        # Result batches sent and not acknowledged yet, serialized WorkRequests (framing.py), oldest first.
+        self.unacked: collections.deque[bytes] = collections.deque()
         self._outbox: asyncio.Queue | None = None
         self._stopping = False
         self._acked = asyncio.Event()
@@ -254,8 +264,10 @@ class RolloutWorker:
         hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight)
         hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
         outbox.put_nowait(spb.WorkRequest(hello=hello))
-        stub = spb_grpc.SchedulerStub(self._client._channel)
-        call = stub.Work(wire.stream_requests(outbox), metadata=self._client._metadata)
+        work = self._client._channel.stream_stream(
+            WORK_METHOD, request_serializer=_request_bytes, response_deserializer=spb.WorkResponse.FromString,
+        )
+        call = work(wire.stream_requests(outbox), metadata=self._client._metadata)
         up = False
         try:
             try:
@@ -355,7 +367,7 @@ class RolloutWorker:
             if not group.gen_seconds:
                 group.gen_seconds = elapsed
             self.stats.completed += 1
-            self._pending.append(result_to_pb(a.iteration, group))
+            self._pending.append((a.iteration, group))
             self._pending_bytes += group.num_bytes
         # Linger only while another running task may still join the batch: with every task done,
         # waiting just delays the result and, since a slot frees only when the coordinator has the
@@ -373,7 +385,8 @@ class RolloutWorker:
             return
         # The batch id stays with the batch when it is re-sent on a new stream: a batch the coordinator
         # stored before the old stream broke gets its first ack back instead of counting as duplicates.
-        request = spb.WorkRequest(results=spb.ResultBatch(groups=self._pending, batch_id=uuid.uuid4().hex))
+        # Serialized by hand, the sample bytes copied once (see framing.py for what upb cost here).
+        request = framing.result_batch_request(self._pending, uuid.uuid4().hex)
         self.stats.batches_sent += 1
         self.stats.bytes_sent += self._pending_bytes
         self._pending, self._pending_bytes = [], 0

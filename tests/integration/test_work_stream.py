@@ -58,3 +58,65 @@ def test_release_of_an_unknown_iteration_is_ignored_and_the_stream_goes_on(coord
     with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
         status = client.iteration_status(run, 1)
     assert status["tasks_done"] == 1, status
+
+
+def test_result_batches_are_read_in_place_and_what_is_wrong_with_one_group_fails_that_group(coordinator):
+    """The coordinator reads result batches from the bytes received (scheduler.framing): a group
+    with an unacceptable value is refused as invalid while the batch's other groups are stored, a
+    group carrying fields only the coordinator fills is stored without them (the trainer gets the
+    coordinator's node and prompt), and bytes that are not a message end the stream with
+    INVALID_ARGUMENT."""
+    import grpc
+
+    run = "work-framing"
+    specs = [TaskSpec(task_id=f"t{i}", prompt_ids=[10 + i, 2], num_samples=1) for i in range(3)]
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        client.submit_iteration(run, 1, specs)
+
+    async def scenario():
+        async with AsyncCoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=5) as c:
+            joined = await c.join(run, "w0", lease_ttl_s=60)
+            call = spb_grpc.SchedulerStub(c._channel).Work()
+            hello = spb.WorkerHello(run_id=run, member=wire.member_ref("w0", joined.incarnation), slots=3)
+            await call.write(spb.WorkRequest(hello=hello))
+            first = await asyncio.wait_for(call.read(), 10)
+            assert sorted(a.task.task_id for a in first.assign.tasks) == ["t0", "t1", "t2"], first
+            batch = _result(1, "t0")
+            forged = batch.results.groups.add()
+            forged.CopyFrom(_result(1, "t1").results.groups[0])
+            forged.node, forged.metadata_json = "someone-else", '{"forged": true}'
+            forged.prompt_ids.extend([666])
+            bad = batch.results.groups.add()
+            bad.CopyFrom(_result(1, "t2").results.groups[0])
+            bad.samples[0].logprobs = b"\x00" * 4  # 1 logprob for 3 tokens
+            await call.write(batch)
+            ack = None
+            while ack is None:
+                m = await asyncio.wait_for(call.read(), 10)
+                ack = m.ack if m.WhichOneof("kind") == "ack" else None
+            assert ack.accepted == 2 and [(r.task_id, r.reason.split(":")[0]) for r in ack.refused] == [("t2", "invalid")], ack
+            await call.write(_result(1, "t2"))  # sent right: taken
+            ack = None
+            while ack is None:
+                m = await asyncio.wait_for(call.read(), 10)
+                ack = m.ack if m.WhichOneof("kind") == "ack" else None
+            assert ack.accepted == 1, ack
+            # 3 of the 4 bytes its length says: not a message
+            raw = c._channel.stream_stream("/elasticrl.v1.Scheduler/Work", request_serializer=None, response_deserializer=None)
+            broken = raw()
+            await broken.write(spb.WorkRequest(hello=hello).SerializeToString())
+            await broken.write(b"\x12\x04\x0a\x02\x08")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:
+                    await asyncio.wait_for(broken.read(), 10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "WorkRequest" in err.value.details()
+            call.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        assert client.wait_sealed(run, 1, timeout_s=10)["tasks_done"] == 3
+        fetched = {g.task_id: g for g in client.fetch_shard(run, 1, rank=0, world_size=1)}
+    assert sorted(fetched) == ["t0", "t1", "t2"]
+    g = fetched["t1"]
+    assert (g.node, g.prompt_ids, g.metadata_json) == ("w0", [11, 2], ""), g
+    assert g.samples[0].token_ids() == [5, 6, 7] and g.samples[0].reward == 1.0

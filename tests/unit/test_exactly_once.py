@@ -210,7 +210,7 @@ def test_a_failed_shard_write_keeps_the_tasks_and_the_batch_is_sent_again(tmp_pa
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(h.store, "write_shard", no_space)
+    monkeypatch.setattr(h.store, "write", no_space)
     ack, end = h.sched.accept(w, [(1, group(t0)), (1, group(t1))], "batch-1")
     assert ack is None and isinstance(end, CoordinatorUnavailableError) and "No space" in str(end)
     it = h.it()

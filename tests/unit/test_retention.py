@@ -73,6 +73,7 @@ def test_only_the_newest_sealed_iterations_are_kept(tmp_path):
     assert db.execute("SELECT COUNT(*) FROM sched_iterations").fetchone()[0] == 3
     assert db.execute("SELECT COUNT(DISTINCT iteration) FROM sched_tasks").fetchone()[0] == 3
     old = h.store.iteration_dir(RUN, 1)
+    h.store.settle(5.0)  # the files go in a background thread
     assert not list(old.glob("shard-*")) and (old / "manifest.json").exists()
     with pytest.raises(NotFoundError, match="--keep-iterations"):
         h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)
