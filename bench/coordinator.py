@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=2.0, help="flag-file poll period, seconds (default: %(default)s, as the shared-filesystem scripts)")
     p.add_argument("--patterns", default="burst,last", help="arrival patterns: burst (all members at once) and last (the last member arrives after the others are parked) (default: %(default)s)")
     p.add_argument("--workers", type=int, default=4, help="client processes that host the members (default: %(default)s)")
-    p.add_argument("--transports", default="unary,session", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member), batched (one bidi stream per process, batch messages) (default: %(default)s)")
+    p.add_argument("--transports", default="unary,session,batched", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member), batched (one bidi stream per process, batch messages) (default: %(default)s)")
     p.add_argument("--modes", default="memory,durable", help="coordinator state modes to measure: memory, durable (SQLite WAL) (default: %(default)s)")
     p.add_argument("--state-dir", help="parent directory for durable state, to bench a given filesystem (default: a temporary directory)")
     p.add_argument("--latency-ttl", type=float, default=5.0, help="member lease TTL during latency rounds, seconds; members renew every TTL/3 (default: %(default)s)")
