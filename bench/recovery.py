@@ -3,8 +3,12 @@
 Two sections, one run:
 
 * ``snapshot``: the per-iteration snapshot of a ``--state-gb`` GB state dict on the CPU (fp32
-  tensors of 64 MiB): the copy taken on the critical path (``clone``), and the background write to
-  host memory (``/dev/shm``, the same files as a checkpoint), each in GB/s.
+  tensors of 64 MiB), replicated as under DDP, on one rank of a world of ``--world``: its shard (the
+  tensors it owns, ``shards.own_part``) staged into one buffer (the copy on the critical path), then
+  written to host memory (``/dev/shm``) with torch.distributed.checkpoint (``shards.write_shard``,
+  in the background), and read back whole from the shards of the world; against the baseline
+  measured in the same run, the full state on every node (a ``clone`` of all of it, then the
+  files of a checkpoint). Each in GB/s of the bytes it moves.
 * ``demo``: ``elasticrl run`` of the bundled demo with 3 nodes (lease ``--lease-ttl``, 5 s), once
   undisturbed, then per ``--phases`` entry with the last node SIGKILLed (agent and worker) during
   that phase of iteration ``--kill-at`` (rollout, update, or checkpoint: while a checkpoint is
@@ -16,7 +20,10 @@ Two sections, one run:
   resumed world ran again), ``ready s``: seconds from the kill until both survivors resumed
   training (their workers' "resumed from iteration" log line), the gap in records around the
   failure (includes one iteration), the mean iteration time, the snapshot's share of it
-  (``t_snapshot``), and the final reward (mean of the last 5 iterations).
+  (``t_snapshot``, on the critical path: staging and the exchange with the buddies) and the
+  exchange's part of it (``t_snapshot_exchange``), and the final reward (mean of the last 5
+  iterations). ``--lose-host`` adds a case where the killed node's snapshots in host
+  memory are deleted too (its host lost with its memory), so its shard must come from its buddy.
 
     python bench/recovery.py                           # ~10 min on 2 cores
     python bench/recovery.py --state-gb 0.25 --phases update --json-out /tmp/recovery.json
@@ -43,27 +50,57 @@ sys.path.insert(0, str(REPO))
 from bench.benchmain import BenchError, run_main  # noqa: E402
 
 
-def snapshot_cost(state_gb: float) -> dict:
+def snapshot_cost(state_gb: float, world: int) -> dict:
     import torch
 
     from elasticrl.train import checkpoint as ckpt
+    from elasticrl.train.shard_wire import pack, unpack
+    from elasticrl.train.shards import Chunk, own_part, read_shards, write_shard
 
     n = max(1, round(state_gb * 2**30 / (64 << 20)))
     state = {f"t{i}": torch.randn(16 << 20) for i in range(n)}  # 64 MiB of fp32 each
     size = sum(t.numel() * t.element_size() for t in state.values())
-    t0 = time.perf_counter()
-    copy = {k: v.detach().clone() for k, v in state.items()}
-    clone_s = time.perf_counter() - t0
     root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     directory = tempfile.mkdtemp(prefix="elasticrl-recovery-", dir=root)
     try:
+        # Before: every node copies and writes the full state.
         t0 = time.perf_counter()
-        ckpt.save_checkpoint(directory, 1, copy, {"state": {}, "param_groups": []}, {}, keep_last=1)
+        copy = {k: v.detach().clone() for k, v in state.items()}
+        clone_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ckpt.save_checkpoint(os.path.join(directory, "full"), 1, copy, {"state": {}, "param_groups": []}, {}, keep_last=1)
         write_s = time.perf_counter() - t0
+        del copy
+        # Now: rank 0 of a world of `world` stages and writes its shard; then the whole is read back.
+        chunks = {k: Chunk.whole(v, replicated=True) for k, v in state.items()}
+        shards = os.path.join(directory, "shards")
+        os.makedirs(shards)
+        t0 = time.perf_counter()
+        header, payload = pack(own_part(chunks, 0, world))
+        stage_s = time.perf_counter() - t0
+        shard_bytes = payload.numel()
+        t0 = time.perf_counter()
+        write_shard(unpack(header, payload), os.path.join(shards, "shard-00000.safetensors"))
+        shard_write_s = time.perf_counter() - t0
+        del header, payload
+        for rank in range(1, world):  # the others' shards, for the read-back
+            write_shard(own_part(chunks, rank, world), os.path.join(shards, f"shard-{rank:05d}.safetensors"))
+        dest = {k: Chunk.whole(torch.empty_like(v)) for k, v in state.items()}
+        t0 = time.perf_counter()
+        read_shards(shards, dest)
+        read_s = time.perf_counter() - t0
+        assert all(torch.equal(dest[k].tensor, v) for k, v in state.items()), "the shards did not read back"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return {"bytes": size, "where": root, "clone_s": round(clone_s, 3), "clone_gb_s": round(size / clone_s / 1e9, 2),
-            "write_s": round(write_s, 3), "write_gb_s": round(size / write_s / 1e9, 2)}
+
+    def rate(nbytes: int, seconds: float) -> float:
+        return round(nbytes / max(seconds, 1e-9) / 1e9, 2)
+
+    return {"bytes": size, "where": root, "world": world, "shard_bytes": shard_bytes,
+            "clone_s": round(clone_s, 3), "clone_gb_s": rate(size, clone_s), "write_s": round(write_s, 3), "write_gb_s": rate(size, write_s),
+            "stage_s": round(stage_s, 3), "stage_gb_s": rate(shard_bytes, stage_s),
+            "shard_write_s": round(shard_write_s, 3), "shard_write_gb_s": rate(shard_bytes, shard_write_s),
+            "read_s": round(read_s, 3), "read_gb_s": rate(size, read_s)}
 
 
 def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
@@ -78,6 +115,9 @@ def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
         cmd += ["--kill-at", str(args.kill_at), "--kill-phase", phase, "--kill-signal", case["signal"]]
     if phase == "checkpoint":  # a checkpoint every iteration, each node its own, to strike during one
         cmd += ["--checkpoint-every", "1", "--own-checkpoints"]
+    if case.get("lose_host"):
+        cmd.append("--lose-host")
+    cmd += ["--", f"--trainer.strategy={args.strategy}"]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout + 60)
@@ -95,10 +135,13 @@ def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
     iterations = [r["iteration"] for r in records]
     seconds = [r["seconds"] for r in records]
     snap = [r.get("t_snapshot", 0.0) for r in records]
+    exchange = [r.get("t_snapshot_exchange", 0.0) for r in records]
     row.update({
         "iterations": len(set(iterations)),
         "iteration_s_mean": round(statistics.mean(seconds), 4),
+        "snapshot_ms_mean": round(1000 * statistics.mean(snap), 2),
         "snapshot_share": round(sum(snap) / sum(seconds), 4),
+        "snapshot_exchange_share": round(sum(exchange) / sum(seconds), 4),
         "reward_last5": round(statistics.mean(r["reward_mean"] for r in records[-5:]), 3),
     })
     if phase:
@@ -145,11 +188,13 @@ def cases(args) -> list[dict]:
             out.append({"label": f"{backend}-kill-{phase}", "backend": backend, "phase": phase, "signal": "KILL"})
         if args.host_stop:
             out.append({"label": f"{backend}-stop-update", "backend": backend, "phase": "update", "signal": "STOP"})
+    if args.lose_host:  # elasticrl only: c10d runs keep no snapshots
+        out.append({"label": "elasticrl-lost-host-update", "backend": "elasticrl", "phase": "update", "signal": "KILL", "lose_host": True})
     return out
 
 
 def run(args, tmp: pathlib.Path) -> dict:
-    doc = {"snapshot": snapshot_cost(args.state_gb), "lease_ttl_s": args.lease_ttl, "demo": []}
+    doc = {"snapshot": snapshot_cost(args.state_gb, args.world), "lease_ttl_s": args.lease_ttl, "demo": []}
     for case in cases(args):
         print(f"bench/recovery.py: {case['label']} ...", file=sys.stderr, flush=True)
         doc["demo"].append(demo_run(tmp, case, args))
@@ -159,19 +204,26 @@ def run(args, tmp: pathlib.Path) -> dict:
 def render(doc: dict) -> str:
     s = doc["snapshot"]
     lines = [
-        f"snapshot of {s['bytes'] / 2**30:.2f} GiB on the CPU: copy {s['clone_s']:.3f} s ({s['clone_gb_s']} GB/s, on the "
-        f"critical path); write to {s['where']} {s['write_s']:.3f} s ({s['write_gb_s']} GB/s, in the background)",
-        f"lease TTL {doc['lease_ttl_s']:g} s; 'ready s': from the kill until both survivors resumed training",
-        f"{'run':<24} {'redone':>6} {'resumed':>8} {'ready s':>8} {'gap s':>6} {'iter s':>7} {'snapshot':>9} {'reward':>7} {'wall s':>7}",
+        (f"snapshot of {s['bytes'] / 2**30:.2f} GiB on the CPU, one rank of a world of {s['world']} "
+         f"(its shard {s['shard_bytes'] / 2**30:.2f} GiB): stage {s['stage_s']:.3f} s ({s['stage_gb_s']} GB/s, on the critical "
+         f"path); DCP write to {s['where']} {s['shard_write_s']:.3f} s ({s['shard_write_gb_s']} GB/s, in the background); "
+         f"read back whole from {s['world']} shards {s['read_s']:.3f} s ({s['read_gb_s']} GB/s)"),
+        (f"  baseline, the full state on every node: copy {s['clone_s']:.3f} s ({s['clone_gb_s']} GB/s, on the critical path); "
+         f"checkpoint files {s['write_s']:.3f} s ({s['write_gb_s']} GB/s, in the background)"),
+        (f"lease TTL {doc['lease_ttl_s']:g} s; 'ready s': from the kill until both survivors resumed training; 'snapshot': its "
+         "share of the iteration (on the critical path), 'exchange': the buddy exchange's part of it"),
+        (f"{'run':<26} {'redone':>6} {'resumed':>8} {'ready s':>8} {'gap s':>6} {'iter s':>7} {'snapshot':>9} {'exchange':>9} "
+         f"{'reward':>7} {'wall s':>7}"),
     ]
     for r in doc["demo"]:
         if "error" in r:
-            lines.append(f"{r['run']:<24} {r['error']}")
+            lines.append(f"{r['run']:<26} {r['error']}")
             continue
         lines.append(
-            f"{r['run']:<24} {r.get('iterations_redone', '-')!s:>6} {r.get('resumed_from', '-')!s:>8} "
+            f"{r['run']:<26} {r.get('iterations_redone', '-')!s:>6} {r.get('resumed_from', '-')!s:>8} "
             f"{r.get('kill_to_training_s', '-')!s:>8} {r.get('gap_s', '-')!s:>6} {r['iteration_s_mean']:>7.3f} "
-            f"{r['snapshot_share'] * 100:>8.2f}% {r['reward_last5']:>7.3f} {r['wall_s']:>7.1f}"
+            f"{r['snapshot_share'] * 100:>8.2f}% {r.get('snapshot_exchange_share', 0.0) * 100:>8.2f}% {r['reward_last5']:>7.3f} "
+            f"{r['wall_s']:>7.1f}"
         )
     by = {(r.get("backend"), r.get("kill_phase"), r.get("kill_signal")): r for r in doc["demo"]}
     for (backend, phase, sig), r in by.items():
@@ -185,11 +237,16 @@ def render(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state-gb", type=float, default=1.0, help="size of the state dict of the snapshot section, GB (default: %(default)s)")
+    p.add_argument("--world", type=int, default=3, help="ranks the snapshot section's state is sharded over (default: %(default)s)")
+    p.add_argument("--strategy", choices=["ddp", "deepspeed", "fsdp2"], default="ddp",
+                   help="trainer.strategy of the demo runs (deepspeed: ZeRO-2) (default: %(default)s)")
     p.add_argument("--phases", default="rollout,update,checkpoint",
                    help="SIGKILL phases, comma-separated: rollout, update, checkpoint, boundary (default: %(default)s)")
     p.add_argument("--baseline-phases", default="update", help="SIGKILL phases of the baseline runs (default: %(default)s)")
     p.add_argument("--no-host-stop", dest="host_stop", action="store_false",
                    help="skip the silent-host case (SIGSTOP of every process of the node during the update)")
+    p.add_argument("--lose-host", action="store_true",
+                   help="add a case where the killed node's snapshots in host memory are deleted too (buddy copies only)")
     p.add_argument("--baseline", choices=["c10d", "none"], default="c10d",
                    help="the same kills with torchrun's c10d rendezvous, in the same run (default: %(default)s)")
     p.add_argument("--lease-ttl", type=float, default=5.0, help="coordinator lease, seconds (default: %(default)s)")
@@ -198,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="limit per demo run, seconds (default: %(default)s)")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON here (the table then goes to stdout)")
     args = p.parse_args(argv)
+    if args.world < 1:
+        p.error(f"--world: {args.world} must be at least 1")
     return run_main("bench/recovery.py", args.json_out, lambda tmp, cleanup: run(args, tmp), render, prefix="elasticrl-recovery-")
 
 

@@ -94,6 +94,11 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--lose-host", action="store_true",
+        help="with --kill-at: the node's host is lost with its memory too: its snapshot directory (in /dev/shm) is "
+        "deleted right after the kill, so the others must resume from the copies their buddies keep",
+    )
+    p.add_argument(
         "--own-checkpoints", action="store_true",
         help="every node keeps its checkpoints in RUN_DIR/node-K/checkpoints (checkpoint.every_node), as hosts "
         "without a shared filesystem do; a re-formed world resumes from the newest any node holds",
@@ -112,6 +117,16 @@ def _start_time(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _running(pid: int, started: str) -> bool:
+    """Whether process ``pid`` (with that start time) can still run: alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[19] == started and fields[0] not in ("Z", "X")
 
 
 def _descendants(root: int) -> list[tuple[int, str]]:
@@ -382,6 +397,20 @@ class Demo:
                 return f"while the checkpoint of iteration {int(m.group(1))} was being written"
         return None
 
+    def lose_memory(self, victim: Child) -> None:
+        """--lose-host: delete the node's snapshots in host memory, as if its host were gone."""
+        import shutil
+
+        from elasticrl.train.snapshot_plan import default_dir  # pure Python, like this module
+
+        where = default_dir(self.run_dir, self.run_id, victim.name)
+        deadline = time.monotonic() + 5  # SIGKILL is delivered at once, but no write may land after the delete
+        while time.monotonic() < deadline and any(_running(pid, started) for pid, started in victim.seen):
+            time.sleep(0.01)
+        shutil.rmtree(where, ignore_errors=True)
+        self.say(f"  -- {victim.name}'s host is lost with its memory: deleted its snapshots {where}")
+        self.record_event("lose_host", node=victim.name, path=where)
+
     def watch(self, coordinator: Child, nodes: list[Child], deadline: float) -> None:
         """Wait for every node to exit; kill one at --kill-at; raise RuntimeError on a timeout or a
         dead coordinator."""
@@ -404,6 +433,8 @@ class Demo:
                     silent = victim
                 else:
                     victim.kill()
+                if self.args.lose_host:
+                    self.lose_memory(victim)
                 victim = None
                 continue
             if time.monotonic() > deadline:

@@ -352,11 +352,24 @@ class CheckpointConfig:
     every_node: bool = False
     """Let local rank 0 of every node save (no shared filesystem), not only global rank 0."""
     resume: bool = True
-    """Continue from the newest checkpoint or snapshot any rank holds, broadcast from that rank."""
+    """Continue from the newest complete snapshot, or else the newest checkpoint any rank holds
+    (broadcast from that rank)."""
     snapshots: bool = True
-    """After every iteration, each node writes the training state to host memory (off the critical
-    path): a world re-formed after a node failure resumes at the next iteration, losing no
-    finished one. Disk checkpoints (every_iterations) are still what survives losing every node."""
+    """After every iteration, each rank writes its shard of the training state to host memory (off
+    the critical path, through torch.distributed.checkpoint) and, with snapshot_buddies, keeps a
+    copy on another node: a world re-formed after a node failure, of any size, resumes at the next
+    iteration, losing no finished one. Disk checkpoints (every_iterations) are still what survives
+    losing every node."""
+    snapshot_buddies: bool = True
+    """Send each rank's snapshot shard to the same rank of the next node (ring order) too, so the
+    shards of a host lost with its memory survive; the new policy is released to the engines, and
+    the iteration recorded, only once every copy arrived (on the critical path: milliseconds for a
+    small model, the shard's size over the network for a large one). No effect with one node.
+    false: a lost host's shards are gone, and the world resumes from an older snapshot or a disk
+    checkpoint."""
+    snapshot_timeout_s: float = 120.0
+    """Longest wait, in seconds, for a snapshot's exchange with the buddies, its write, or the
+    fetching of shards when resuming; past it the worker fails (and the world re-forms)."""
     snapshot_dir: str = ""
     """Where a node keeps its snapshots; empty means /dev/shm/elasticrl/<run_id>-<hash of run_dir>/<node>
     (host memory, kept when torchrun restarts the workers, freed when the run finishes; a run that
@@ -369,6 +382,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check(self.every_iterations >= 0, f"checkpoint.every_iterations: {self.every_iterations} must be >= 0")
         _check(self.keep_last >= 1, f"checkpoint.keep_last: {self.keep_last} must be at least 1")
+        _check(self.snapshot_timeout_s > 0, f"checkpoint.snapshot_timeout_s: {self.snapshot_timeout_s} must be > 0 seconds (e.g. 120)")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

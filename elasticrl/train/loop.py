@@ -16,8 +16,9 @@ group never meets a barrier its previous incarnation decided.
 If the barrier reports that a rank of the current world was evicted (its lease lapsed: the process
 or its node died), the worker exits with ``WorldChangedError`` instead of entering a collective
 that would hang; torchrun then re-forms the group and every worker resumes from the newest
-checkpoint that any rank holds, broadcast from that rank (no shared filesystem needed). Iterations
-the scheduler already sealed are reused, not rolled out again.
+complete snapshot (every rank's shard of every iteration, in host memory and on a buddy node) or
+checkpoint that survives (``train/recovery.py``; no shared filesystem needed). Iterations the
+scheduler already sealed are reused, not rolled out again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import threading
 import time
 
@@ -43,13 +43,14 @@ from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
-from elasticrl.train import checkpoint as ckpt, snapshot, stop
+from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version
 from elasticrl.train.background import BackgroundCall
-from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, all_reduce_sum, broadcast_json, broadcast_tensors, init_process_group
+from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, broadcast_json, init_process_group
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.model import build_engine, build_policy, build_runner
+from elasticrl.train.recovery import Recovery
 from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, check_failures, dummy_batch
 from elasticrl.train.staleness import keep_fresh, lag_summary, merge_lags
 from elasticrl.train.submit import Submitter, is_eval
@@ -76,13 +77,8 @@ class NodeTrainer:
         self.world = world
         self.logctx = logctx or WorkerLogContext(node_name(), world.rank)
         self.run_dir = config.run.run_dir
-        self.ckpt_dir = config.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
-        snap_dir = config.checkpoint.snapshot_dir or snapshot.default_dir(self.run_dir, config.run.run_id, self.logctx.node)
-        self.snapshots = snapshot.Snapshots(snap_dir) if config.checkpoint.snapshots else None
-        # Written on a forced exit too (SIGTERM while stuck in a collective): see train.stop.
-        self._forget_flush = (
-            stop.on_forced_exit(self.snapshots.flush) if self.snapshots is not None and world.local_rank == 0 else lambda: None
-        )
+        self.recovery = Recovery(config, world, self.logctx.node)  # snapshots, checkpoints, resume
+        self.ckpt_dir = self.recovery.ckpt_dir
         self.task = toy_task(config)
         self.max_new_tokens = max_new_tokens(config, self.task)
         try:
@@ -110,12 +106,10 @@ class NodeTrainer:
         self.version = 0
         self.shares_module = False
         self.reference: torch.nn.Module | None = None
-        self.last_checkpoint = ""
         self.device = torch.device("cpu")
         self.submitter: Submitter | None = None  # rank 0
         self._publishing: BackgroundCall | None = None
         self.publisher: WeightPublisher | None = None
-        self._finished = False
         self._unrecorded: dict | None = None
 
     # -- set-up ------------------------------------------------------------------------------
@@ -156,6 +150,7 @@ class NodeTrainer:
             "joined %s as %s (incarnation %d), generation %d, world %d",
             members_run, self.membership.member_id, self.membership.incarnation, self.generation, world.world_size,
         )
+        self.recovery.setup(self.generation)
 
         self.parts = build_policy(cfg)
         t = cfg.trainer
@@ -216,45 +211,25 @@ class NodeTrainer:
         self.reference = ref.to(self.device).eval().requires_grad_(False)
 
     def _resume(self) -> int:
-        """Load the newest checkpoint or snapshot any rank holds (broadcast from the lowest such
-        rank: a rank that holds none gets the state over torch.distributed); returns its iteration."""
-        held = [] if self.snapshots is None else [(self.snapshots.latest(), self.snapshots.directory)]
-        held.append((ckpt.latest_iteration(self.ckpt_dir), self.ckpt_dir))
-        mine, where = max(held, key=lambda h: h[0])  # on a tie the snapshot (host memory) wins
-        newest = all_reduce_int(mine, dist.ReduceOp.MAX)
-        if newest == 0:
+        """Load the newest complete snapshot or checkpoint (``Recovery.resume``); returns its iteration."""
+        resumed = self.recovery.resume(self.strategy)
+        if resumed is None:
             return 0
-        src = all_reduce_int(self.world.rank if mine == newest else self.world.world_size, dist.ReduceOp.MIN)
-        loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(where, newest)) if self.world.rank == src else None
-        # The metadata first, so every rank refuses an incompatible checkpoint together.
-        meta = broadcast_json(loaded.meta if loaded else None, src)
-        saved, wanted = meta.get("config", {}).get("model"), to_dict(self.cfg)["model"]
-        if saved is not None and saved != wanted:
-            raise ConfigError(
-                f"checkpoint {newest} in {self.ckpt_dir} has model {saved}, the config asks for {wanted}; "
-                "use the same [model] or a new checkpoint.dir"
-            )
-        weights = broadcast_tensors(loaded.model if loaded else None, src)
-        opt_tensors = broadcast_tensors(loaded.optimizer_tensors if loaded else None, src)
-        self.strategy.load_full_model_state_dict(weights)
-        self.strategy.load_full_optimizer_state_dict(ckpt.unflatten_optimizer(opt_tensors, meta["optimizer"]))
-        self.rows.resume(newest, meta.get("data_position", {}))
-        if self.cfg.algorithm.kl_coef > 0:
-            has_ref = broadcast_json(loaded.reference is not None if loaded else None, src)
-            if has_ref:
-                self._set_reference(broadcast_tensors(loaded.reference if loaded else None, src))
-        self._unrecorded = meta.get("metrics")  # a snapshot's record, added below if it is missing
-        kind = "snapshot" if meta.get("snapshot") else "checkpoint"
-        log.info("resumed from iteration %d (%s of rank %d, node %s)", newest, kind, src, meta.get("node", "?"))
-        return newest
+        self.rows.resume(resumed.iteration, resumed.meta.get("data_position", {}))
+        if resumed.reference is not None:
+            self._set_reference(resumed.reference)
+        self._unrecorded = resumed.metrics  # a snapshot's record, added in _setup if it is missing
+        return resumed.iteration
 
     # -- weights -------------------------------------------------------------------------------
 
     def _push(self, version: int) -> float:
-        """Put policy ``version`` into this node's engine and (rank 0) publish it for rollout-only
-        workers (``rollout.weights_transfer``); open the gate for tasks that need it. The publish
-        runs in the background (a rollout-only worker waits for the version its task names
-        anyway); returns the seconds spent waiting for the previous one."""
+        """Policy ``version`` into this node's engine, then released (``_release``)."""
+        return self._release(version, self._load_engine(version))
+
+    def _load_engine(self, version: int) -> dict | None:
+        """Put policy ``version`` into this node's engine; nothing is drawn from it until
+        ``_release``. Returns the CPU copy of the weights it made, if any."""
         state = None
         if self.shares_module:
             with self.engine_lock:
@@ -264,6 +239,13 @@ class NodeTrainer:
             with self.engine_lock:
                 self.engine.update_weights(state.items(), version=version)
         self.version = version
+        return state
+
+    def _release(self, version: int, state: dict | None) -> float:
+        """Open the gate for tasks that need policy ``version`` and (rank 0) publish it for
+        rollout-only workers (``rollout.weights_transfer``). The publish runs in the background (a
+        rollout-only worker waits for the version its task names anyway); returns the seconds spent
+        waiting for the previous one."""
         self.gate.advance(version)
         if self.publisher is None:
             return 0.0
@@ -376,8 +358,9 @@ class NodeTrainer:
             sums["grad_norm"] += step.get("grad_norm", 0.0) / world
         return sums
 
-    def _iteration(self, iteration: int) -> dict:
-        """submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push.
+    def _iteration(self, iteration: int, extra: dict) -> dict:
+        """submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push -> snapshot
+        -> release the new policy. Returns the iteration's metrics, ``extra`` added.
 
         Every phase is timed on this rank (``t_*`` seconds). The barrier is where a trainer node
         that died during the rollout is noticed, before any collective could hang on it. No
@@ -402,8 +385,7 @@ class NodeTrainer:
         if self.submitter is not None and phase != "update":
             self.submitter.submit_due(iteration, self.version)
         lap("t_submit")
-        if self.snapshots is not None:
-            self.snapshots.write_pending()  # the last iteration's, while this thread waits for the seal
+        self.recovery.write_pending()  # the last iteration's snapshot, while this thread waits for the seal
         manifest = self._rollout(iteration)
         check_failures(iteration, manifest, min_fraction=cfg.rollout.min_fraction, max_task_failures=cfg.rollout.max_task_failures)
         lap("t_rollout")
@@ -440,10 +422,7 @@ class NodeTrainer:
                     if self.shares_module:  # stamped with the weights it draws from (the gate opens at the push)
                         self.engine.set_version(iteration)
                 lap("t_update")
-                if self.snapshots is not None:
-                    self._snapshot(iteration, reward_sum / samples)
-                    lap("t_snapshot")
-                t["t_publish"] = self._push(iteration)
+                pushed = self._load_engine(iteration)  # released after the snapshot, below
                 lap("t_push")
         updates = cfg.trainer.updates_per_iteration
         metrics.update({
@@ -479,47 +458,22 @@ class NodeTrainer:
             "example": (f"{batch.examples[0].prompt}{batch.completions[0]}" if batch.examples else "").replace("\n", " | "),
         })
         metrics.update(t)
+        metrics.update(extra)
+        if phase != "rollout":
+            # Before the engines may draw from the new policy (and before the iteration is
+            # reported): every rank's shard of the state, with this record, in two nodes' memory.
+            taking = time.monotonic()
+            meta = self._state_meta(iteration, metrics["reward_mean"])
+            metrics["t_snapshot_exchange"] = self.recovery.snapshot(self.strategy, iteration, meta, self.reference, metrics)
+            metrics["t_snapshot"] = time.monotonic() - taking  # the exchange included; not in the snapshot's copy
+            metrics["t_publish"] = self._release(iteration, pushed)
+            metrics["seconds"] = time.monotonic() - start
         return metrics
 
-    def _save(self, iteration: int, metrics: dict) -> None:
+    def _state_meta(self, iteration: int, reward_mean: float) -> dict:
+        """What a checkpoint or snapshot keeps besides the tensors (JSON)."""
         cfg, world = self.cfg, self.world
-        writer = world.rank == 0 or (cfg.checkpoint.every_node and world.local_rank == 0)
-        if self.snapshots is not None:
-            # Every writer is a node's local rank 0, which holds this iteration's snapshot: no
-            # second gather (a collective under sharded strategies), on any rank.
-            if not writer:
-                return
-            state = self.snapshots.taken(iteration)
-            assert state is not None, f"the snapshot of iteration {iteration} was not taken"
-        else:
-            state = self._state(iteration, metrics["reward_mean"], all_ranks=cfg.checkpoint.every_node)
-            if not writer:
-                return
-        model_state, optimizer_state, meta, reference = state
-        self.last_checkpoint = ckpt.save_checkpoint(
-            self.ckpt_dir, iteration, model_state, optimizer_state, meta, keep_last=cfg.checkpoint.keep_last,
-            reference=reference,
-        )
-        log.info("saved checkpoint %s", self.last_checkpoint)
-
-    def _snapshot(self, iteration: int, reward_mean: float) -> None:
-        """Right after the update, before the new policy is pushed (so no engine starts the next
-        iteration before the state is taken): every rank gathers the state (a collective under
-        sharded strategies); local rank 0 of each node keeps it, to write to host memory once the
-        iteration is on record, in the background during the next rollout, or when the process
-        ends, whatever the reason."""
-        model_state, optimizer_state, meta, reference = self._state(iteration, reward_mean, all_ranks=True)
-        if self.world.local_rank == 0:
-            self.snapshots.save(iteration, model_state, optimizer_state, meta, reference)
-
-    def _state(self, iteration: int, reward_mean: float, *, all_ranks: bool) -> tuple:
-        """(model state, optimizer state, meta, reference) as copies, for a checkpoint or a
-        snapshot; ``all_ranks``: every rank gets the full state, else rank 0."""
-        cfg, world = self.cfg, self.world
-        # Collective under sharded strategies: every rank gathers, the writers keep the result.
-        model_state = self.strategy.full_model_state_dict(all_ranks=all_ranks)
-        optimizer_state = self.strategy.full_optimizer_state_dict(all_ranks=all_ranks)
-        meta = {
+        return {
             "world_size": world.world_size,
             "generation": self.generation,
             # Where the data and the RNGs stand: the row source's position after this iteration (a
@@ -534,8 +488,6 @@ class NodeTrainer:
             "node": self.logctx.node,
             "saved_at_unix_s": time.time(),
         }
-        reference = None if self.reference is None else {k: v.detach().cpu() for k, v in self.reference.state_dict().items()}
-        return model_state, optimizer_state, meta, reference
 
     def _export(self) -> None:
         """Rank 0: the final policy as an HF model directory (checkpoint.export_hf)."""
@@ -566,27 +518,25 @@ class NodeTrainer:
             saving_s = 0.0
             for iteration in range(first, self.cfg.run.iterations + 1):
                 self.logctx.iteration = iteration
-                metrics = self._iteration(iteration)
                 saving = updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0))
+                extra = {"t_checkpoint": saving_s}  # the save after the previous iteration
                 if saving:
-                    metrics["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
-                metrics["t_checkpoint"] = saving_s  # the save after the previous iteration
-                # The snapshot before the record: it holds the record, and a world resumed from it
+                    extra["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
+                # The snapshot (taken in _iteration) holds the record, and a world resumed from it
                 # adds the record if nobody wrote it (see _setup), so every finished iteration is on
-                # record once. A checkpoint comes after the record: a kill between the two only
-                # repeats the iteration, and its line.
-                if self.snapshots is not None:
-                    self.snapshots.record(metrics)
+                # record once. A checkpoint comes after the record (and holds it too).
+                metrics = self._iteration(iteration, extra)
                 self._report(metrics)
                 saving_s = 0.0
                 if saving:
                     t0 = time.monotonic()
-                    self._save(iteration, metrics)
+                    meta = self._state_meta(iteration, metrics["reward_mean"])
+                    self.recovery.save_checkpoint(self.strategy, iteration, meta, self.reference, metrics)
                     saving_s = time.monotonic() - t0
             if self.cfg.checkpoint.export_hf and updating:
                 self._export()
-            if self.world.rank == 0 and self.last_checkpoint:
-                log.info("finished %d iterations; last checkpoint %s", self.cfg.run.iterations, self.last_checkpoint)
+            if self.world.rank == 0 and self.recovery.last_checkpoint:
+                log.info("finished %d iterations; last checkpoint %s", self.cfg.run.iterations, self.recovery.last_checkpoint)
             self._wait_published()
             self._finish()
         finally:
@@ -596,12 +546,9 @@ class NodeTrainer:
         """Every rank is done: close the scheduler's run, so rollout-only workers exit (not after
         a rollout-only phase: an update phase will read its iterations), and free the host memory
         of this run's snapshots (the disk checkpoints stay)."""
+        self.recovery.before_finish()
         dist.barrier()
-        self._finished = True
-        self._forget_flush()
-        if self.snapshots is not None and self.world.local_rank == 0 and not self.cfg.checkpoint.snapshot_dir:
-            self.snapshots.wait()
-            shutil.rmtree(snapshot.run_root(self.run_dir, self.cfg.run.run_id), ignore_errors=True)
+        self.recovery.finish()
         if self.world.rank == 0 and self.cfg.run.rl_phase != "rollout":
             try:
                 self.client.close_run(rollout_run(self.cfg.run.run_id), "training finished")
@@ -609,12 +556,7 @@ class NodeTrainer:
                 pass
 
     def close(self) -> None:
-        if self.snapshots is not None and self.world.local_rank == 0 and not self._finished:
-            try:  # the last finished iteration's snapshot, even when this iteration failed
-                self.snapshots.flush()
-            except Exception as exc:  # noqa: BLE001 - the disk checkpoint is still there
-                log.warning("could not write the last snapshot: %s", exc)
-        self._forget_flush()
+        self.recovery.close()
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None

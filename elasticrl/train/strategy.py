@@ -10,7 +10,10 @@ Checkpoints stay strategy-neutral: ``full_model_state_dict`` gives plain ``state
 full tensors, and ``full_optimizer_state_dict`` gives a torch-style optimizer ``state_dict`` keyed
 by parameter index (the order of ``unwrap().parameters()``), exactly what
 ``elasticrl.train.checkpoint.save_checkpoint`` writes for DDP today. A checkpoint saved under one
-strategy therefore resumes under another and at another world size.
+strategy therefore resumes under another and at another world size. Snapshots, taken every
+iteration, avoid that gather: ``sharded_state`` gives what this rank holds (a DTensor shard, a
+slice of a ZeRO partition), and ``load_sharded_state`` reads it back into a world of another size
+through ``torch.distributed.checkpoint``.
 
 This module imports no torch: ``StrategyConfig`` can live in a config file that must answer
 ``--help`` at once. The backends (``strategy_ddp``, ``strategy_deepspeed``, ``strategy_fsdp2``)
@@ -31,6 +34,8 @@ from elasticrl import config as _config
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from elasticrl.train.shards import Chunk
 
 OptimizerFactory = Callable[[Iterable["torch.nn.Parameter"]], "torch.optim.Optimizer"]
 """Builds the optimizer from the parameters ``wrap`` hands it (see ``adamw_factory``)."""
@@ -165,6 +170,30 @@ class TrainStrategy(Protocol):
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a state in the layout ``full_optimizer_state_dict`` returns (for instance
         ``checkpoint.Checkpoint.optimizer``); every rank passes the same dict. *Collective.*"""
+        ...
+
+    def sharded_state(self) -> tuple[dict[str, Chunk], dict[str, Any]]:
+        """This rank's part of the training state, for a snapshot (``train/snapshot.py``): named
+        ``shards.Chunk``s, views the caller copies (``replicated`` ones are whole tensors every rank
+        holds alike, saved by one of them), and the JSON-able rest (optimizer hyper-parameters,
+        step counts). No communication where the strategy shards natively (fsdp2: DTensor shards;
+        ZeRO-1/2: each parameter's slice of this rank's flat partition; ddp: views of the replicated
+        state); *collective* where it has no sharded form (ZeRO-3 gathers the full state)."""
+        ...
+
+    def load_sharded_state(
+        self, read: Callable[[dict[str, Chunk]], None], saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        rest: Mapping[str, Any],
+    ) -> None:
+        """Load what ``sharded_state`` gave, saved by a world of any size and strategy settings
+        alike: build this rank's destination chunks for the current world, let ``read(chunks)``
+        fill them (DCP reads the parts of every saved shard they overlap), then apply them.
+        ``saved``: name -> (whole shape, dtype) of every tensor in the snapshot; ``rest``: the
+        saved JSON part. *Collective* where ``sharded_state`` is.
+
+        Raises:
+            ShardError: the snapshot lacks a tensor this model needs, or has another shape.
+        """
         ...
 
     def close(self) -> None:

@@ -162,3 +162,55 @@ def common_step(states: Iterable[Mapping[str, Any]]) -> torch.Tensor | None:
     if len(steps) != 1:
         raise ValueError(f"optimizer state has different step counts per parameter {sorted(steps)}; this strategy keeps one count")
     return torch.tensor(steps.pop(), dtype=torch.float32)
+
+
+# -- snapshot state (see TrainStrategy.sharded_state) ------------------------------------------
+
+
+def optimizer_views(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict`` split like ``checkpoint.flatten_optimizer`` ("<index>.<name>"
+    tensors, JSON-able rest) but without copies: the tensors as the optimizer holds them."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for index, slots in state["state"].items():
+        for name, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{name}"] = value.detach()
+            else:
+                scalars[f"{index}.{name}"] = value
+    groups = [{k: json_safe(v) if k != "params" else list(v) for k, v in g.items()} for g in state["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def optimizer_from_parts(tensors: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer ``state_dict`` of ``optimizer_views``'s parts (values may be DTensors)."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in [*tensors.items(), *rest["scalars"].items()]:
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in rest["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def replicated_state(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]):
+    """``sharded_state`` of a strategy whose every rank holds the whole state (ddp, or a gathered
+    full state): every tensor is replicated, so each is saved by one rank."""
+    from elasticrl.train.shards import Chunk
+
+    opt_tensors, rest = optimizer_views(optimizer)
+    chunks = {f"model.{name}": Chunk.whole(t.detach(), replicated=True) for name, t in model.items()}
+    chunks.update({f"optim.{key}": Chunk.whole(t, replicated=True) for key, t in opt_tensors.items()})
+    return chunks, {"optimizer": rest}
+
+
+def load_replicated_state(strategy, read, saved: Mapping[str, tuple], rest: Mapping[str, Any]) -> None:
+    """``load_sharded_state`` through the full state: read every model and optimizer tensor whole
+    (from whichever shards hold them), then the strategy's ``load_full_*``."""
+    from elasticrl.train.shards import Chunk
+
+    dest = {name: Chunk.whole(torch.empty(shape, dtype=dtype)) for name, (shape, dtype) in saved.items()
+            if name.startswith(("model.", "optim."))}
+    read(dest)
+    strategy.load_full_model_state_dict({n.removeprefix("model."): c.tensor for n, c in dest.items() if n.startswith("model.")})
+    opt = {n.removeprefix("optim."): c.tensor for n, c in dest.items() if n.startswith("optim.")}
+    strategy.load_full_optimizer_state_dict(optimizer_from_parts(opt, rest["optimizer"]))

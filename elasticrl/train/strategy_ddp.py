@@ -22,7 +22,9 @@ from elasticrl.train.strategy_base import (
     clip_and_step,
     cpu_state_dict,
     load_optimizer_copy,
+    load_replicated_state,
     prepare_model,
+    replicated_state,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,13 @@ class DDPStrategy:
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict(load_optimizer_copy(state))
+
+    def sharded_state(self):
+        # Every rank holds the whole state: views of it, each tensor saved by one rank.
+        return replicated_state(self.unwrap().state_dict(), self.optimizer.state_dict())
+
+    def load_sharded_state(self, read, saved, rest) -> None:
+        load_replicated_state(self, read, saved, rest)
 
     def close(self) -> None:
         if dist.is_initialized():

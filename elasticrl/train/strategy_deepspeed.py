@@ -245,8 +245,21 @@ class DeepSpeedStrategy:
         step = common_step(saved.values())
         first = next(iter(saved.values()))
         keys = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        # Before the first step the base optimizer has no state for its flat partitions: make it,
-        # so that the fragments below have somewhere to land.
+        self._ensure_optimizer_state(keys, step)
+        for index, param in enumerate(self._params):
+            if not param.requires_grad:
+                continue
+            if index not in saved:
+                raise KeyError(f"optimizer state has no entry for parameter {index} of {len(self._params)}")
+            for key in keys:
+                value = saved[index][key].to(device=self._device, dtype=torch.float32)
+                safe_set_full_optimizer_state(param, value, key)
+
+    def _ensure_optimizer_state(self, keys: list[str], step: torch.Tensor | None) -> None:
+        """Before the first step the base optimizer has no state for its flat partitions: make it
+        (zeros), set the common ``step``, and link ZeRO-1/2's per-parameter fragments to it, so
+        that what is loaded next has somewhere to land."""
+        base = self._base_optimizer()
         for flat in self._flat_partitions():
             slots = base.state[flat]
             for key in keys:
@@ -258,14 +271,89 @@ class DeepSpeedStrategy:
         if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: link fragments to the state
             zero._hp_optimizer_states_linked = False
             zero._lazy_init_hp_params_optimizer_state()
+
+    # -- snapshots: each rank's slice of the ZeRO partitions -----------------------------------------
+
+    def _fragment(self, param: nn.Parameter):
+        """ZeRO-1/2's map of ``param`` to this rank's flat fp32 partition; None where this rank
+        holds none of it."""
+        return getattr(param, "_hp_mapping", None)
+
+    def sharded_state(self):
+        """ZeRO-1/2: for every trainable parameter, the slice of it (flattened) that this rank's
+        partition holds, fp32 master weight and optimizer state alike, as a chunk at its offset in
+        the flattened parameter (``zero.param.<index>``, ``zero.optim.<index>.<key>``); a world of
+        another size cuts the same flattened tensors elsewhere and DCP reads across the cuts.
+        Frozen parameters and buffers, the same on every rank, are whole replicated chunks. ZeRO-3
+        (parameters partitioned otherwise) gathers the full state, replicated."""
+        from elasticrl.train.shards import Chunk
+        from elasticrl.train.strategy_base import replicated_state
+
+        if self.config.zero_stage == 3:
+            return replicated_state(self.full_model_state_dict(all_ranks=True), self.full_optimizer_state_dict(all_ranks=True))
+        base = self._base_optimizer()
+        live = [base.state[flat] for flat in self._flat_partitions() if base.state.get(flat)]
+        step = common_step(live) if live else None
+        chunks: dict[str, Chunk] = {}
+        trainable = set()
         for index, param in enumerate(self._params):
             if not param.requires_grad:
                 continue
-            if index not in saved:
-                raise KeyError(f"optimizer state has no entry for parameter {index} of {len(self._params)}")
+            trainable.add(id(param))
+            frag = self._fragment(param)
+            if frag is None:
+                continue
+            start, numel = frag.lp_fragment_address.start, param.numel()
+            chunks[f"zero.param.{index}"] = Chunk.flat(frag.hp_fragment.detach(), start, numel)
+            for key, state in (frag.optim_fragment or {}).items():
+                if live:  # no optimizer state before the first step, as with a torch optimizer
+                    chunks[f"zero.optim.{index}.{key}"] = Chunk.flat(state.detach(), start, numel)
+        for name, t in self._named_tensors().items():
+            if id(t) not in trainable:
+                chunks[f"model.{name}"] = Chunk.whole(t.detach(), replicated=True)
+        rest = {"step": None if step is None else float(step), "param_groups": self._hyper_params()}
+        return chunks, {"zero": rest}
+
+    def load_sharded_state(self, read, saved, rest) -> None:
+        from elasticrl.train.shards import Chunk, ShardError
+        from elasticrl.train.strategy_base import load_replicated_state
+
+        if "zero" not in rest:  # ZeRO-3 (or another strategy's replicated state): through the full state
+            load_replicated_state(self, read, saved, rest)
+            return
+        if self.config.zero_stage == 3:
+            raise ShardError("the snapshot holds ZeRO-1/2 partitions; this run is ZeRO-3 (resume from a checkpoint instead)")
+        zero = rest["zero"]
+        keys = sorted({name.split(".")[3] for name in saved if name.startswith("zero.optim.")})
+        step = None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32)
+        if keys:
+            self._ensure_optimizer_state(keys, step)
+        named = self._named_tensors()
+        index_of = {id(p): i for i, p in enumerate(self._params) if p.requires_grad}
+        dest: dict[str, Chunk] = {}
+        for name, t in named.items():
+            key = f"zero.param.{index_of[id(t)]}" if id(t) in index_of else f"model.{name}"
+            if key not in saved:
+                raise ShardError(f"the snapshot has no {key} (for {name!r})")
+            if key not in dest:  # tied weights: one tensor under two names
+                dest[key] = Chunk.whole(torch.empty(saved[key][0], dtype=saved[key][1]))
+        for index, param in enumerate(self._params):
+            frag = self._fragment(param) if param.requires_grad else None
+            if frag is None:
+                continue
             for key in keys:
-                value = saved[index][key].to(device=self._device, dtype=torch.float32)
-                safe_set_full_optimizer_state(param, value, key)
+                dest[f"zero.optim.{index}.{key}"] = Chunk.flat(frag.optim_fragment[key], frag.lp_fragment_address.start, param.numel())
+        read(dest)  # the optimizer slices land in the partitions' state directly
+        full = {}
+        for name, t in named.items():
+            key = f"zero.param.{index_of[id(t)]}" if id(t) in index_of else f"model.{name}"
+            full[name] = dest[key].tensor.reshape(t.shape) if key.startswith("zero.") else dest[key].tensor
+        self.load_full_model_state_dict(full)  # the working weights, and each rank's fp32 slice (no communication)
+        base = self._base_optimizer()
+        for base_group, saved_group in zip(base.param_groups, zero["param_groups"]):
+            for key, value in saved_group.items():
+                if key in base_group:
+                    base_group[key] = tuple(value) if isinstance(value, list) else value
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -29,7 +29,9 @@ from elasticrl.train.strategy_base import (
     clip_and_step,
     json_safe,
     load_optimizer_copy,
+    optimizer_from_parts,
     optimizer_params,
+    optimizer_views,
     prepare_model,
     transformer_blocks,
 )
@@ -126,6 +128,52 @@ class FSDP2Strategy:
                     full = value.to(device=param.device, dtype=param.dtype)
                     slots[name] = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         self.optimizer.load_state_dict(loaded)
+
+    # -- snapshots: DTensor shards as they are ----------------------------------------------------
+
+    def sharded_state(self):
+        from elasticrl.train.shards import Chunk
+
+        def chunk(t: torch.Tensor) -> Chunk:
+            return Chunk.of_dtensor(t) if isinstance(t, DTensor) else Chunk.whole(t.detach(), replicated=True)
+
+        chunks = {f"model.{name}": chunk(t) for name, t in get_model_state_dict(self.module).items()}
+        opt_tensors, rest = optimizer_views(self.optimizer.state_dict())
+        chunks.update({f"optim.{key}": chunk(t) for key, t in opt_tensors.items()})  # step counts: replicated
+        return chunks, {"optimizer": rest}
+
+    def load_sharded_state(self, read, saved, rest) -> None:
+        from elasticrl.train.shards import Chunk, ShardError
+
+        def like(template: torch.Tensor, shape, dtype) -> Chunk:
+            """A destination for ``template``'s part in this world: its local shard, or whole."""
+            if isinstance(template, DTensor) and tuple(shape) == tuple(template.shape):
+                c = Chunk.of_dtensor(template)
+                return Chunk(torch.empty_like(c.tensor, dtype=dtype), c.offsets, c.size)
+            return Chunk.whole(torch.empty(shape, dtype=dtype, device=self._device))
+
+        model = get_model_state_dict(self.module)
+        params = optimizer_params(self.optimizer)
+        dest: dict[str, Chunk] = {}
+        for name, t in model.items():
+            if f"model.{name}" not in saved:
+                raise ShardError(f"the snapshot has no model tensor {name!r}")
+            dest[f"model.{name}"] = like(t, *saved[f"model.{name}"])
+        for key, (shape, dtype) in saved.items():
+            if key.startswith("optim."):
+                index = int(key.split(".")[1])
+                dest[key] = like(params[index], shape, dtype)
+        read(dest)
+
+        def value(template, c: Chunk):
+            if isinstance(template, DTensor) and tuple(c.size) == tuple(template.shape):
+                return DTensor.from_local(c.tensor, template.device_mesh, template.placements,
+                                          shape=template.shape, stride=template.stride(), run_check=False)
+            return c.tensor
+
+        set_model_state_dict(self.module, {name: value(t, dest[f"model.{name}"]) for name, t in model.items()})
+        opt = {k.removeprefix("optim."): value(params[int(k.split(".")[1])], c) for k, c in dest.items() if k.startswith("optim.")}
+        self.optimizer.load_state_dict(load_optimizer_copy(optimizer_from_parts(opt, rest["optimizer"])))
 
     def close(self) -> None:
         # Destroying the process group while a peer still finishes FSDP2's last collectives aborts

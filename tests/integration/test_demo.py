@@ -150,7 +150,7 @@ def test_losing_a_node_mid_run_finishes_on_the_survivor(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("phase, strategy", [("rollout", "ddp"), ("update", "ddp"), ("update", "deepspeed")])
+@pytest.mark.parametrize("phase, strategy", [("rollout", "ddp"), ("update", "ddp"), ("rollout", "deepspeed"), ("update", "deepspeed")])
 def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path, phase, strategy):
     """SIGKILL one of 3 nodes while iteration k = 4 (or 5) rolls out, after it delivered some
     groups (they must be kept, the ones it held finished by the survivors, and the iteration
@@ -207,6 +207,36 @@ def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_a_lost_host_s_shard_comes_from_its_buddy(tmp_path, strategy):
+    """SIGKILL one of 3 nodes right after iteration 4 seals and delete its snapshot directory in
+    host memory, as if the host were gone with its memory. Every rank's shard of iteration 3 also
+    lives on the next node (its buddy), so the survivors still hold all of them: they resume from
+    iteration 3 (not the checkpoint of iteration 0, there is none before 10), the lost node's
+    shard read from a buddy copy; no iteration is redone, the warm-up runs once. With ZeRO-2 the
+    shards are slices of the optimizer partitions of a world of 3, loaded into a world of 2."""
+    out = tmp_path / "run"
+    result = run_demo(
+        out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "10", "--kill-at", "4",
+        "--kill-phase", "update", "--lose-host", "--own-checkpoints", "--",
+        "--rollout.slots=2", "--task.prompts_per_iteration=24", f"--trainer.strategy={strategy}", timeout_s=170,
+    )
+    assert result.returncode == 0, result.stdout
+    assert "killing node-2 (SIGKILL, agent and worker) right after iteration 4 sealed" in result.stdout, result.stdout
+    assert "node-2's host is lost with its memory: deleted its snapshots" in result.stdout, result.stdout
+    resumed = re.findall(r"resumed from iteration (\d) \(snapshot of rank \d, node (node-[01])\); "
+                         r"from buddy copies only: shard\(s\) \[(\d)\] of 3", result.stdout)
+    assert {(it, node) for it, node, _ in resumed} == {("3", "node-0"), ("3", "node-1")}, result.stdout
+    assert len({shard for _, _, shard in resumed}) == 1, resumed  # both name the same lost shard
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == list(range(1, 7))  # none redone
+    assert not [r for r in records if r["iteration"] >= 4 and r["world_size"] == 3]
+    assert result.stdout.count("warm-up   10/10") == 1, result.stdout
+    assert records[0]["world_size"] == 3 and records[-1]["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_leave_at_once(tmp_path):
     """SIGSTOP every process of one of 3 nodes right after iteration 4 seals: no socket closes, so
     the survivors block in the update's all-reduce and only the lease (2 s) tells. Their agents
@@ -232,13 +262,15 @@ def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_lea
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_node_killed_while_writing_its_checkpoint_loses_nothing(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_a_node_killed_while_writing_its_checkpoint_loses_nothing(tmp_path, strategy):
     """SIGKILL one of 3 nodes while it writes its own checkpoint (one per iteration, each node its
     own directory): its half-written directory is its own business; the survivors resume from the
-    iteration that was being checkpointed (it had finished), and none is redone."""
+    iteration that was being checkpointed (it had finished), and none is redone. Under ZeRO-2 the
+    checkpoint gathers the full state (a collective) while the snapshot holds only shards."""
     out = tmp_path / "run"
     result = run_demo(out, "--nodes", "3", "--iterations", "8", "--checkpoint-every", "1", "--kill-at", "4",
-                      "--kill-phase", "checkpoint", "--own-checkpoints", timeout_s=170)
+                      "--kill-phase", "checkpoint", "--own-checkpoints", "--", f"--trainer.strategy={strategy}", timeout_s=170)
     assert result.returncode == 0, result.stdout
     found = re.search(r"killing node-2 \(SIGKILL, agent and worker\) while the checkpoint of iteration (\d) was being written",
                       result.stdout)

@@ -1,0 +1,269 @@
+"""The node's training state outside its worker process: a snapshot after every iteration, disk
+checkpoints every few, and resuming a (re-formed) world from the newest of them.
+
+``Recovery`` is what ``NodeTrainer`` calls for all of it, in this order: ``setup`` (collective:
+every rank names its node; the buddy exchange gets a gloo group of its own), ``resume``, then per
+iteration ``snapshot`` (after the update, with the iteration's metrics record; the new policy is
+released to the engines and the iteration reported only after it), ``write_pending`` (at the next
+rollout, where the main thread waits for the seal anyway) and, every
+``checkpoint.every_iterations``, ``save_checkpoint``; ``finish`` or ``close`` at the end.
+
+Resuming (every rank the same decision, from all-gathered facts; no rank decides for the others):
+
+1. Every rank reports the snapshot shards its node's directory holds, own and buddy copies
+   (``snapshot_plan.Held``, JSON over torch.distributed); the newest snapshot every shard of which
+   someone holds wins (``snapshot_plan.choose``), unless a disk checkpoint is newer.
+2. Each node lacking shards of it gets them from a holder (``snapshot_plan.fetch_plan``), point to
+   point, as files into its own directory.
+3. ``TrainStrategy.load_sharded_state`` loads them into this world's cut with
+   ``torch.distributed.checkpoint`` (``shards.read_shards``): another world size reshards.
+   Every rank reads first and the ranks agree that all reads worked before any state is applied,
+   so a bad file makes every rank fall back to the checkpoint together.
+
+Without a complete snapshot (snapshots off, every node that held a shard lost) the newest disk
+checkpoint any rank holds is broadcast from the lowest rank that holds it, as before snapshots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticrl.config import ConfigError, NodeConfig, to_dict
+from elasticrl.train import checkpoint as ckpt, stop
+from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, broadcast_json, broadcast_tensors
+from elasticrl.train.shard_wire import move
+from elasticrl.train.shards import Chunk, ShardError, read_shards, saved_tensors
+from elasticrl.train.snapshot import Snapshots
+from elasticrl.train.snapshot_plan import Held, SnapshotId, choose, default_dir, fetch_plan, run_root, shard_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What a resume loaded besides the strategy's state, for the trainer to apply."""
+
+    iteration: int
+    meta: dict[str, Any]
+    """The saved meta: data_position, config, ... (checkpoint.py's meta.json, or a shard's JSON)."""
+    metrics: dict[str, Any] | None
+    """A snapshot's metrics record (rank 0's), written if metrics.jsonl lacks it."""
+    reference: dict[str, torch.Tensor] | None
+
+
+class Recovery:
+    def __init__(self, config: NodeConfig, world: WorldInfo, node: str):
+        self.cfg = config
+        self.world = world
+        self.node = node
+        self.ckpt_dir = config.checkpoint.dir or os.path.join(config.run.run_dir, "checkpoints")
+        self.snapshots: Snapshots | None = None
+        self.group = None
+        self.last_checkpoint = ""
+        self._forget_flush = lambda: None
+        self._finished = False
+
+    # -- set-up and resume -------------------------------------------------------------------------
+
+    def setup(self, generation: int) -> None:
+        """*Collective.* Every rank names its node (whose directory holds its snapshots); a world of
+        several ranks gets a gloo group for moving shards (buddy copies, the resume's fetches)."""
+        c = self.cfg.checkpoint
+        if not c.snapshots:
+            return
+        nodes = [str(n) for n in all_gather_json(self.node)]
+        if self.world.world_size > 1:
+            # Its own group: the buddy exchange runs on a thread while the main thread's collectives
+            # go on, and gloo moves CPU tensors under any training backend.
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=c.snapshot_timeout_s))
+        directory = c.snapshot_dir or default_dir(self.cfg.run.run_dir, self.cfg.run.run_id, self.node)
+        buddy_group = self.group if c.snapshot_buddies and len(set(nodes)) > 1 else None
+        self.snapshots = Snapshots(directory, rank=self.world.rank, world_size=self.world.world_size, generation=generation,
+                                   nodes=nodes, group=buddy_group, timeout_s=c.snapshot_timeout_s)
+        # Written on a forced exit too (SIGTERM while stuck in a collective): see train.stop.
+        self._forget_flush = stop.on_forced_exit(self.snapshots.flush)
+        if self.world.rank == 0:
+            log.info("snapshots: every rank's shard in %s%s", os.path.dirname(directory),
+                     "" if buddy_group is None else ", and a copy on the next node's same rank (buddy)")
+
+    def resume(self, strategy) -> Resumed | None:
+        """*Collective.* Load the newest complete snapshot, or else the newest checkpoint any rank
+        holds, into ``strategy``; None when there is neither."""
+        newest_ckpt = all_reduce_int(ckpt.latest_iteration(self.ckpt_dir), dist.ReduceOp.MAX)
+        if self.snapshots is not None:
+            held = [Held.from_json(h) for h in all_gather_json(self.snapshots.held().to_json())]
+            sid, reason = choose(held)
+            if sid is not None and sid.iteration >= newest_ckpt:  # on a tie the snapshot (host memory) wins
+                try:
+                    return self._from_snapshot(strategy, sid, held, reason)
+                except ShardError as exc:  # every rank alike (see _read)
+                    if newest_ckpt == 0:
+                        raise
+                    log.error("snapshot %s unusable (%s); resuming from checkpoint %d instead", sid.name, exc, newest_ckpt)
+            elif self.world.rank == 0 and (sid is not None or any(h.snapshots for h in held)):
+                # An older snapshot than the checkpoint, or none complete (a lost host's shards
+                # without buddy copies, say): the latter loses iterations, so it is a warning.
+                log.log(logging.INFO if sid is not None else logging.WARNING, "snapshots: %s; %s", reason,
+                        f"resuming from checkpoint {newest_ckpt}" if newest_ckpt else "no checkpoint either: starting over")
+        return self._from_checkpoint(strategy, newest_ckpt) if newest_ckpt else None
+
+    def _from_snapshot(self, strategy, sid: SnapshotId, held: list[Held], reason: str) -> Resumed:
+        t0 = time.monotonic()
+        plan = fetch_plan(sid, held)
+        self._fetch(sid, plan)
+        directory = self.snapshots.path(sid)
+        failure, docs, saved = None, {}, {}
+        try:  # local: every rank reads its node's copies; the ranks agree before anything collective
+            for shard in range(sid.world_size):
+                with open(os.path.join(directory, shard_file(shard, ".json"))) as f:
+                    docs[shard] = json.load(f)
+            saved = saved_tensors(directory)
+        except (OSError, ValueError, KeyError, ShardError) as exc:
+            failure = exc
+        if all_reduce_int(0 if failure else 1, dist.ReduceOp.MIN) == 0:
+            raise ShardError(f"snapshot {sid.name}: its files in {directory} are unreadable on some rank"
+                             + (f" (here: {failure})" if failure else "")) from failure
+        meta = docs[0]["meta"]
+        self._check_model(meta, f"snapshot {sid.name} in {directory}", "delete that directory")
+        strategy.load_sharded_state(lambda chunks: self._read(directory, chunks), saved, meta["strategy_state"])
+        reference = None
+        if self.cfg.algorithm.kl_coef > 0 and meta.get("reference"):
+            dest = {n: Chunk.whole(torch.empty(shape, dtype=dtype)) for n, (shape, dtype) in saved.items() if n.startswith("reference.")}
+            self._read(directory, dest)
+            reference = {n.removeprefix("reference."): c.tensor for n, c in dest.items()}
+        # Shards none of whose holders is the node that wrote them: there from a buddy copy only.
+        holders = {s: {h.node for h in held if s in h.snapshots.get(sid.name, {})} for s in range(sid.world_size)}
+        buddy_only = [s for s in range(sid.world_size) if docs[s]["node"] not in holders[s]]
+        log.info("resumed from iteration %d (snapshot of rank %d, node %s); from buddy copies only: shard(s) %s of %d",
+                 sid.iteration, self.world.rank, self.node, buddy_only or "none", sid.world_size)
+        log.info("snapshot %s; %d shard(s) fetched from other nodes; loaded in %.2fs", reason, len(plan), time.monotonic() - t0)
+        return Resumed(sid.iteration, meta, docs[0].get("metrics"), reference)
+
+    def _fetch(self, sid: SnapshotId, plan) -> None:
+        """Move the shard files of ``plan`` (both files of a shard, point to point) into the
+        receiving nodes' directories."""
+        rank, directory = self.world.rank, self.snapshots.path(sid)
+        outgoing, incoming = [], []
+        for i, t in enumerate(plan):
+            if t.src == rank:
+                for k, suffix in enumerate((".safetensors", ".json")):
+                    with open(os.path.join(directory, shard_file(t.shard, suffix)), "rb") as f:
+                        outgoing.append((t.dst, 2 * i + k, torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)))
+            if t.dst == rank:
+                incoming += [(t.src, 2 * i + k, torch.empty(t.sizes[k], dtype=torch.uint8), t.shard, suffix)
+                             for k, suffix in enumerate((".safetensors", ".json"))]
+        if not plan:
+            return
+        move(outgoing, [(src, tag, buf) for src, tag, buf, _, _ in incoming], self.group,
+             self.cfg.checkpoint.snapshot_timeout_s, f"snapshot {sid.name}: fetching shards")
+        os.makedirs(directory, exist_ok=True)
+        for _, _, buf, shard, suffix in sorted(incoming, key=lambda x: x[4] == ".json"):  # every .json last
+            path = os.path.join(directory, shard_file(shard, suffix))
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(buf.numpy().tobytes())
+            os.rename(tmp, path)
+
+    def _read(self, directory: str, chunks: dict[str, Chunk]) -> None:
+        """``read_shards``, then every rank says whether it worked: one failure fails all of them
+        alike, before any of them applies what it read."""
+        failure = None
+        try:
+            read_shards(directory, chunks)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            failure = exc
+        if all_reduce_int(0 if failure else 1, dist.ReduceOp.MIN) == 0:
+            raise ShardError(f"reading the shards in {directory} failed on some rank"
+                             + (f" (here: {failure})" if failure else "")) from failure
+
+    def _from_checkpoint(self, strategy, newest: int) -> Resumed:
+        """The newest checkpoint, broadcast from the lowest rank that holds it (a rank that holds
+        none gets it over torch.distributed)."""
+        mine = ckpt.latest_iteration(self.ckpt_dir)
+        src = all_reduce_int(self.world.rank if mine == newest else self.world.world_size, dist.ReduceOp.MIN)
+        loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(self.ckpt_dir, newest)) if self.world.rank == src else None
+        # The metadata first, so every rank refuses an incompatible checkpoint together.
+        meta = broadcast_json(loaded.meta if loaded else None, src)
+        self._check_model(meta, f"checkpoint {newest} in {self.ckpt_dir}", "a new checkpoint.dir")
+        weights = broadcast_tensors(loaded.model if loaded else None, src)
+        opt_tensors = broadcast_tensors(loaded.optimizer_tensors if loaded else None, src)
+        strategy.load_full_model_state_dict(weights)
+        strategy.load_full_optimizer_state_dict(ckpt.unflatten_optimizer(opt_tensors, meta["optimizer"]))
+        reference = None
+        if self.cfg.algorithm.kl_coef > 0 and broadcast_json(loaded.reference is not None if loaded else None, src):
+            reference = broadcast_tensors(loaded.reference if loaded else None, src)
+        log.info("resumed from iteration %d (checkpoint of rank %d, node %s)", newest, src, meta.get("node", "?"))
+        return Resumed(newest, meta, meta.get("metrics"), reference)
+
+    def _check_model(self, meta: dict, what: str, fix: str) -> None:
+        saved, wanted = meta.get("config", {}).get("model"), to_dict(self.cfg)["model"]
+        if saved is not None and saved != wanted:
+            raise ConfigError(f"{what} has model {saved}, the config asks for {wanted}; use the same [model] or {fix}")
+
+    # -- every iteration -----------------------------------------------------------------------------
+
+    def snapshot(self, strategy, iteration: int, meta: dict[str, Any], reference: torch.nn.Module | None,
+                 metrics: dict[str, Any]) -> float:
+        """After the update, before any engine may draw from the new policy: this rank's shard,
+        staged with the iteration's record and exchanged with the buddies (``Snapshots.take``);
+        returns the seconds the exchange took."""
+        if self.snapshots is None:
+            return 0.0
+        chunks, rest = strategy.sharded_state()
+        if reference is not None:
+            chunks.update({f"reference.{k}": Chunk.whole(v.detach(), replicated=True) for k, v in reference.state_dict().items()})
+        meta = {**meta, "strategy_state": rest, "reference": reference is not None}
+        return self.snapshots.take(iteration, chunks, meta, metrics)
+
+    def write_pending(self) -> None:
+        """Where the main thread is about to wait anyway: write the last snapshot to host memory."""
+        if self.snapshots is not None:
+            self.snapshots.write_pending()
+
+    def save_checkpoint(self, strategy, iteration: int, meta: dict[str, Any], reference: torch.nn.Module | None,
+                        metrics: dict[str, Any]) -> None:
+        """*Collective under sharded strategies* (the full state is gathered): rank 0, or with
+        ``checkpoint.every_node`` every node's local rank 0, writes checkpoint ``iteration``."""
+        c, world = self.cfg.checkpoint, self.world
+        model_state = strategy.full_model_state_dict(all_ranks=c.every_node)
+        optimizer_state = strategy.full_optimizer_state_dict(all_ranks=c.every_node)
+        if not (world.rank == 0 or (c.every_node and world.local_rank == 0)):
+            return
+        ref = None if reference is None else {k: v.detach().cpu() for k, v in reference.state_dict().items()}
+        # With its record: a world resumed from it adds the record if the iteration was not reported.
+        self.last_checkpoint = ckpt.save_checkpoint(self.ckpt_dir, iteration, model_state, optimizer_state,
+                                                    {**meta, "metrics": metrics}, keep_last=c.keep_last, reference=ref)
+        log.info("saved checkpoint %s", self.last_checkpoint)
+
+    # -- the end -------------------------------------------------------------------------------------
+
+    def before_finish(self) -> None:
+        """Every rank, before the final barrier: no snapshot write in flight."""
+        self._forget_flush()
+        if self.snapshots is not None:
+            self.snapshots.wait()
+
+    def finish(self) -> None:
+        """After the final barrier: free this host's snapshots (the disk checkpoints stay)."""
+        self._finished = True
+        if self.snapshots is not None and self.world.local_rank == 0 and not self.cfg.checkpoint.snapshot_dir:
+            shutil.rmtree(run_root(self.cfg.run.run_dir, self.cfg.run.run_id), ignore_errors=True)
+
+    def close(self) -> None:
+        if self.snapshots is not None and not self._finished:
+            try:  # the last recorded iteration's snapshot, even when this iteration failed
+                self.snapshots.flush()
+            except Exception as exc:  # noqa: BLE001 - the previous snapshot and the disk checkpoints are still there
+                log.warning("could not write the last snapshot: %s", exc)
+        self._forget_flush()
+

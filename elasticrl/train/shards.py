@@ -1,0 +1,220 @@
+"""One rank's shard of the training state on disk, through ``torch.distributed.checkpoint`` (DCP).
+
+A shard is a flat dict of named ``Chunk``s: pieces of whole tensors, each with its offset in the
+whole tensor (a DTensor's local shard, a slice of a ZeRO partition, or a whole replicated tensor).
+``write_shard`` saves one with ``dcp.save`` into a single safetensors file; ``read_shards`` loads
+any set of chunks (another world's cut) from the shards of a whole world with ``dcp.load``, which
+reads the overlapping parts of the saved chunks: that is the resharding.
+
+Three choices keep DCP within the project's rules:
+
+* **No pickle on disk.** DCP's default ``FileSystemWriter`` pickles its ``.metadata`` and
+  ``torch.save``s non-tensor values. The shards use DCP's safetensors storage instead
+  (``HuggingFaceStorageWriter``/``Reader``, ``save_distributed``): every file records its chunks'
+  offsets in its JSON header (``DCP_SHARDING_INFO``), and the reader rebuilds DCP's ``Metadata`` from
+  the headers of the files in the directory, so there is no metadata file at all. Shards hold
+  tensors only; everything else goes into a JSON file beside them (``snapshot.py``).
+* **No pickle over the wire.** ``dcp.save``/``dcp.load`` plan collectively with
+  ``gather_object``/``scatter_object``, which pickle; every call here is ``no_dist=True`` (each
+  rank saves and loads by itself) and the ranks agree through JSON collectives instead (who owns a
+  replicated tensor: ``owners``, a pure function of names and sizes, like DCP's own dedup).
+* **Any cut.** DCP's planners know whole tensors, DTensors and ShardedTensors; a ZeRO-1/2
+  partition slices each parameter *flattened*, which neither describes. ``ChunkSavePlanner`` and
+  ``ChunkLoadPlanner`` extend DCP's default planners (its documented extension point) with the
+  one thing they lack, a chunk at a given offset, and leave the read planning to DCP's
+  ``create_read_items_for_chunk_list``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from elasticrl.errors import ElasticRLError
+
+# Every call is no_dist on purpose (see above): DCP's warning that it assumes a single process is noise.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+SUFFIX = ".safetensors"
+
+
+class ShardError(ElasticRLError):
+    """A set of shards that cannot give what was asked (a missing piece, a shape that differs)."""
+
+
+@dataclasses.dataclass
+class Chunk:
+    """``tensor`` is the part of a whole tensor of shape ``size`` that starts at ``offsets``."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    size: tuple[int, ...]
+    replicated: bool = False
+    """Every rank holds the same whole tensor: one rank (``owners``) saves it for all."""
+
+    @staticmethod
+    def whole(tensor: torch.Tensor, *, replicated: bool = False) -> Chunk:
+        return Chunk(tensor, (0,) * tensor.dim(), tuple(tensor.shape), replicated)
+
+    @staticmethod
+    def flat(part: torch.Tensor, offset: int, numel: int) -> Chunk:
+        """Elements ``[offset, offset + part.numel())`` of a tensor of ``numel`` elements, flattened:
+        how ZeRO-1/2 cut parameters and their optimizer state into partitions."""
+        return Chunk(part.reshape(-1), (offset,), (numel,))
+
+    @staticmethod
+    def of_dtensor(t) -> Chunk:
+        """The local shard of a DTensor (FSDP2), at the offset its placements give it."""
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
+
+        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return Chunk(t.to_local(), tuple(offsets), tuple(t.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """Which rank saves each replicated tensor (name -> bytes): the biggest first, each to the rank
+    with the fewest bytes so far, as DCP's dedup balances them. Pure: every rank computes the same."""
+    load = [0] * world_size
+    out = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        out[name] = rank
+        load[rank] += sizes[name]
+    return out
+
+
+def own_part(chunks: Mapping[str, Chunk], rank: int, world_size: int) -> dict[str, Chunk]:
+    """What ``rank`` saves of the state it holds: its sharded chunks and the replicated tensors it owns."""
+    replicated = {name: c.nbytes for name, c in chunks.items() if c.replicated}
+    owner = owners(replicated, world_size)
+    return {name: c for name, c in chunks.items() if not c.replicated or owner[name] == rank}
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner over a flat dict of ``Chunk``s: one write item per chunk."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, c in self.state_dict.items():
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, torch.Size(c.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=c.tensor.size()),
+                    properties=TensorProperties.create_from_tensor(c.tensor),
+                    size=torch.Size(c.size),
+                ),
+            ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.state_dict[write_item.index.fqn].tensor.detach().cpu().contiguous()
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner into a flat dict of ``Chunk``s: DCP finds the saved chunks each
+    destination overlaps and reads those parts into ``Chunk.tensor`` in place."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata  # names and shapes checked by read_shards
+        items = []
+        for fqn, c in self.state_dict.items():
+            md = saved[fqn]
+            want = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=c.tensor.size())
+            items += create_read_items_for_chunk_list(fqn, md, [want])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        target = self.state_dict[read_item.dest_index.fqn].tensor
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            target = target.narrow(dim, start, length)
+        return target
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        pass  # the reader copied into the destination's own storage
+
+
+def write_shard(chunks: Mapping[str, Chunk], path: str) -> int:
+    """Save ``chunks`` as the safetensors file ``path`` (written aside, then renamed into place, so
+    a file under its final name is complete); returns its size in bytes."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        if chunks:
+            writer = HuggingFaceStorageWriter(tmp, save_distributed=True)
+            dcp.save(dict(chunks), storage_writer=writer, planner=ChunkSavePlanner(), no_dist=True)
+            (written,) = glob.glob(os.path.join(tmp, "*" + SUFFIX))
+        else:  # a rank that owns nothing still leaves a (readable, empty) file
+            from safetensors.torch import save_file
+
+            written = os.path.join(tmp, "empty" + SUFFIX)
+            save_file({}, written)
+        os.rename(written, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return os.path.getsize(path)
+
+
+def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (whole shape, dtype) of every tensor in the shards of ``directory``."""
+    md = HuggingFaceStorageReader(directory).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+
+
+def check_complete(metadata: Metadata) -> None:
+    """Every saved tensor is covered by its chunks exactly once (a lost shard would otherwise leave
+    part of a destination unread, silently)."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        covered = sum(math.prod(c.sizes) for c in md.chunks)
+        if covered != math.prod(md.size):
+            raise ShardError(f"{fqn}: the shards hold {covered} of its {math.prod(md.size)} elements (a shard is missing)")
+
+
+def read_shards(directory: str, chunks: Mapping[str, Chunk]) -> None:
+    """Fill every destination chunk from the shards (``*.safetensors``) in ``directory``, whatever
+    cut they were saved with."""
+    if not chunks:
+        return
+    if not glob.glob(os.path.join(directory, "*" + SUFFIX)):
+        raise ShardError(f"{directory}: no shards")
+    metadata = HuggingFaceStorageReader(directory).read_metadata()  # the files' headers only
+    check_complete(metadata)
+    for fqn, c in chunks.items():  # here, not in the planner: DCP would wrap the error in its own
+        md = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise ShardError(f"the snapshot in {directory} has no tensor {fqn!r}")
+        if tuple(md.size) != tuple(c.size):
+            raise ShardError(f"{fqn}: the snapshot in {directory} has shape {tuple(md.size)}, this model {tuple(c.size)}")
+    dcp.load(dict(chunks), storage_reader=HuggingFaceStorageReader(directory), planner=ChunkLoadPlanner(), no_dist=True)
