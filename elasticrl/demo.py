@@ -325,6 +325,10 @@ class Demo:
             f"--run.run_id={self.run_id}", f"--run.run_dir={self.run_dir}", *own, *node_args,
         ]
         env = dict(self.env, ELASTICRL_NODE_NAME=f"node-{k}")  # all "nodes" share this host's name
+        if a.kill_at and a.kill_phase == "checkpoint" and k == a.nodes - 1:
+            # The victim holds each checkpoint in its temporary directory a while: a toy model's
+            # write takes milliseconds, which a poll every 10 ms on a loaded host can miss.
+            env[cfgmod.CHECKPOINT_HOLD_ENV] = "1.5"
         child = _spawn(f"node-{k}", cmd, os.path.join(self.logs, f"node-{k}.log"), env, pipe=True)
         self.children.append(child)
         reader = threading.Thread(target=_stream, args=(child, self), daemon=True)

@@ -30,6 +30,10 @@ COORDINATOR_ENV = "ELASTICRL_COORDINATOR"
 # so the README's torchrun command needs no second copy of the address, token file or CA.
 TOKEN_FILE_ENV = "ELASTICRL_TOKEN_FILE"
 TLS_CA_ENV = "ELASTICRL_TLS_CA"
+CHECKPOINT_HOLD_ENV = "ELASTICRL_FAULT_CHECKPOINT_HOLD_S"
+"""Fault injection (the demo's ``--kill-phase checkpoint`` sets it for the node it kills): seconds a
+checkpoint stays in its temporary directory before it is renamed into place, so the kill lands
+while it is being written however fast the write; unset or 0 in any real run."""
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 

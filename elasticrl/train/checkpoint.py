@@ -21,11 +21,14 @@ import logging
 import os
 import re
 import shutil
+import time
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save_file as st_save_file
+
+from elasticrl.config import CHECKPOINT_HOLD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,9 @@ def save_checkpoint(
         json.dump(full_meta, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    hold_s = float(os.environ.get(CHECKPOINT_HOLD_ENV) or 0)
+    if hold_s > 0:  # fault injection only (see CHECKPOINT_HOLD_ENV)
+        time.sleep(hold_s)
     try:
         os.rename(tmp, final)
     except OSError:
