@@ -43,6 +43,10 @@ class Arrival:
     policy: TimeoutPolicy = TimeoutPolicy.EVICT_MISSING
 
 
+def _key(a: Arrival) -> tuple[str, str, str, int]:
+    return (a.run_id, a.name, a.member_id, a.incarnation)
+
+
 class BarrierOps:
     """Mixed into ``CoordinatorCore``, which provides these (and ``limits``, ``_run``, ``_fence``,
     ``_mark_gone``, ``_after_membership_change``)."""
@@ -125,7 +129,7 @@ class BarrierOps:
             except Exception as exc:  # noqa: BLE001 - this arrival's error, not the others'
                 results[i] = exc
                 continue
-            once = (a.run_id, a.name, a.member_id, a.incarnation)
+            once = _key(a)
             if barrier.result is None and barrier.arrived.get(a.member_id) != a.incarnation and once not in seen:
                 seen.add(once)
                 writes.append((i, run, barrier))
@@ -137,10 +141,12 @@ class BarrierOps:
                     for i, run, barrier in writes:
                         a = arrivals[i]
                         db.put_arrival(run.run_id, barrier.name, a.member_id, a.incarnation)
-            except Exception as exc:  # noqa: BLE001 - nothing was recorded: each arrival fails alike
-                for i, _, _ in writes:
-                    results[i] = exc
-                return results
+            except Exception as exc:  # noqa: BLE001 - nothing was recorded: each arrival to write fails alike
+                failed = {_key(arrivals[i]) for i, _, _ in writes}
+                for i, a in enumerate(arrivals):  # their repeats, and arrivals at a barrier it was to open, too
+                    if results[i] is None and (_key(a) in failed or (a.run_id, a.name) in created):
+                        results[i] = exc
+                created, writes = {}, []  # memory stays as it was; the rest are answered below
         for (run_id, name), barrier in created.items():  # committed: memory follows
             run = self.runs[run_id]
             run.barriers[name] = run.open_barriers[name] = barrier

@@ -12,9 +12,10 @@ once per message for all of its ids.
 
 Memory per stream is bounded: ``out`` holds at most SESSION_MAX_PENDING responses and the reader
 waits for room (so a client that does not read stops being read: backpressure), and at most
-SESSION_MAX_ARRIVALS arrivals wait at once. A release that finds ``out`` full waits for room in a
-task of its own (at most one per released barrier). Neither wait can deadlock: the only thing that
-frees room is the client reading, and a client that reads gets every response.
+SESSION_MAX_ARRIVALS arrivals wait at once. An answer that finds ``out`` full (a release, an
+expired wait, a fenced waiter) waits for room in a task of its own, and counts as waiting until
+then. Neither wait can deadlock: the only thing that frees room is the client reading, and a
+client that reads gets every response.
 """
 
 from __future__ import annotations
@@ -122,9 +123,10 @@ class StreamArrivals:
         arrivals: list[tuple[int, Arrival, float]] = []
         for request_id, request in ops:
             try:
-                if self.count + len(arrivals) >= SESSION_MAX_ARRIVALS:
+                waiting = self.count + len(self._puts) + len(arrivals)  # parked answers hold their place
+                if waiting >= SESSION_MAX_ARRIVALS:
                     raise ResourceLimitError(
-                        f"arrive: {self.count + len(arrivals)} arrivals already wait on this session (limit "
+                        f"arrive: {waiting} arrivals already wait on this session (limit "
                         f"{SESSION_MAX_ARRIVALS}); read their answers before arriving again"
                     )
                 arrivals.append((request_id, *parse_arrival(request)))
@@ -225,6 +227,12 @@ class StreamArrivals:
             self._puts.add(task)
             task.add_done_callback(self._puts.discard)
 
+    async def drained(self) -> None:
+        """Until no arrival waits and every answer is in ``out`` (the end of the stream goes after)."""
+        await self.idle.wait()
+        while self._puts:
+            await asyncio.wait(set(self._puts))
+
     def close(self) -> None:
         """The stream ended: arrivals still waiting are dropped (their client re-arrives)."""
         for key in list(self._waiting):
@@ -309,7 +317,7 @@ async def _read(requests, out: asyncio.Queue, arrivals: StreamArrivals, members:
                 await arrivals.arrive([(request.id, request.arrive)])
             else:
                 await _op(request, op, out, members, keep_alive, error, core, inner=False)
-        await arrivals.idle.wait()
+        await arrivals.drained()
         await out.put(None)
     except asyncio.CancelledError:
         raise

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from elasticrl.config import ConfigError, NodeConfig, to_dict
 from elasticrl.train import checkpoint as ckpt, stop
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, broadcast_json, broadcast_tensors
-from elasticrl.train.shard_wire import move
+from elasticrl.train.shard_wire import WireError, move
 from elasticrl.train.shards import Chunk, ShardError, read_shards, saved_tensors
 from elasticrl.train.snapshot import Snapshots
 from elasticrl.train.snapshot_plan import Held, SnapshotId, choose, default_dir, fetch_plan, run_root, shard_file
@@ -120,7 +120,16 @@ class Recovery:
     def _from_snapshot(self, strategy, sid: SnapshotId, held: list[Held], reason: str) -> Resumed:
         t0 = time.monotonic()
         plan = fetch_plan(sid, held)
-        self._fetch(sid, plan)
+        fetch_failure = None
+        try:
+            self._fetch(sid, plan)
+        except (WireError, OSError) as exc:
+            fetch_failure = exc
+        # Every rank waits here for the fetches into its node's directory (a node's lowest rank
+        # receives for all of its ranks), and one failed fetch fails every rank alike.
+        if all_reduce_int(0 if fetch_failure else 1, dist.ReduceOp.MIN) == 0:
+            raise ShardError(f"snapshot {sid.name}: fetching its shards failed on some rank"
+                             + (f" (here: {fetch_failure})" if fetch_failure else "")) from fetch_failure
         directory = self.snapshots.path(sid)
         failure, docs, saved = None, {}, {}
         try:  # local: every rank reads its node's copies; the ranks agree before anything collective

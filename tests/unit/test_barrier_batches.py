@@ -164,3 +164,38 @@ def test_a_member_evicted_while_it_waits_gets_fenced_when_the_barrier_is_decided
         assert sorted(i for r in released for i in r.ids) == [2, 3]
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_a_failed_commit_still_answers_a_repeat_at_a_decided_barrier(core, monkeypatch):
+    a, _ = core.join("r", "a")
+    (done,) = core.arrive_many([Arrival("r", "a", a.incarnation, "done", timeout_s=10)])
+    monkeypatch.setattr(core.db, "put_arrival", lambda *args: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error")))
+    again, new = core.arrive_many([Arrival("r", "a", a.incarnation, "done", timeout_s=10),
+                                   Arrival("r", "a", a.incarnation, "next", timeout_s=10)])
+    assert again is done  # the retry of a decided barrier gets its result, not a wait that never ends
+    assert isinstance(new, sqlite3.OperationalError)
+
+
+def test_answers_parked_for_a_full_queue_count_toward_the_arrivals_bound(core, monkeypatch):
+    from elasticrl.coordinator import session
+
+    monkeypatch.setattr(session, "SESSION_MAX_ARRIVALS", 4)
+    members = [core.join("r", f"m{i}")[0] for i in range(6)]
+
+    async def scenario():
+        stream, out = _stream(core)
+        while not out.full():  # a client that does not read
+            out.put_nowait(pb.SessionResponse(id=0))
+        await stream.arrive([(i + 1, _arrive(m, "b", wait_s=0.01)) for i, m in enumerate(members[:4])])
+        await asyncio.sleep(0.1)  # the four waits ran out; their PENDING answers wait for room
+        assert stream.count == 0 and len(stream._puts) == 4
+        arrive = asyncio.ensure_future(stream.arrive([(9, _arrive(members[4], "c"))]))
+        await asyncio.sleep(0)  # the refusal waits for room in ``out`` too
+        assert not arrive.done()
+        _drain(out)
+        await asyncio.wait_for(arrive, 1)
+        errors = [i for i in _drain(out) if isinstance(i, pb.SessionResponse) and i.HasField("error")]
+        assert [e.id for e in errors] == [9] and "limit 4" in errors[0].error.message
+        await asyncio.wait_for(stream.drained(), 1)
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
