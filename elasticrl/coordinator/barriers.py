@@ -30,6 +30,10 @@ from elasticrl.errors import ResourceLimitError
 log = logging.getLogger(__name__)
 
 
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+"""A barrier's timeout when an arrival names none (``timeout_ms`` 0)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """One member's arrival at barrier ``name`` (validated by the servicer)."""
@@ -39,7 +43,7 @@ class Arrival:
     incarnation: int
     name: str
     epoch: int = 0
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S
     policy: TimeoutPolicy = TimeoutPolicy.EVICT_MISSING
 
 

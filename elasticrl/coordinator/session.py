@@ -29,14 +29,13 @@ import grpc
 
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator import validate as v
-from elasticrl.coordinator.barriers import Arrival
+from elasticrl.coordinator.barriers import DEFAULT_BARRIER_TIMEOUT_S, Arrival
 from elasticrl.coordinator.core import CoordinatorCore
 from elasticrl.coordinator.state import BarrierResult, Outcome, TimeoutPolicy
 from elasticrl.errors import InternalError, InvalidRequestError, ResourceLimitError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BARRIER_TIMEOUT_S = 600.0
 # A Session stream's responses not yet taken by gRPC: past this many, the stream's requests are not
 # read until there is room, so a client that does not read its responses holds the coordinator's
 # memory to a bound (then HTTP/2 flow control stops its writes).
