@@ -187,7 +187,9 @@ def _counters_json(it: Iteration, counters: Counters | None = None, overrides: d
         for m, n in stats.items()
     }
     c = it.counters if counters is None else counters
-    return json.dumps({"counters": dataclasses.asdict(c), "nodes": nodes, "evicted": it.evicted})
+    # The fields as they are (ints and a list of strings): asdict's deep copy cost more than the
+    # encoding, twice per result batch.
+    return json.dumps({"counters": vars(c), "nodes": nodes, "evicted": it.evicted})
 
 
 def _counters_from(it: Iteration, d: dict) -> None:

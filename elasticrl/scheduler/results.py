@@ -252,7 +252,8 @@ class ResultPipeline:
     """Runs ``ResultBook``'s steps for every Work stream: one task per batch that waits for its
     shard write (a worker thread) and for the batch before it on its stream, then commits and
     sends the ack. With the in-memory store, or nothing to write and nothing ahead of it, a batch
-    is committed at once, on the caller's step."""
+    is committed by the caller, after one turn of the event loop if it freed slots that were
+    filled (the stream's writer sends those tasks first)."""
 
     def __init__(self, book: ResultBook, *, max_pending: int = MAX_PENDING_BATCHES, store_timeout_s: float = STORE_TIMEOUT_S,
                  write_threads: int = WRITE_THREADS, threaded_write_bytes: int = THREADED_WRITE_BYTES):
@@ -290,13 +291,22 @@ class ResultPipeline:
         size = sum(g.num_bytes for _, _, shard_groups in d.writes for g, _ in shard_groups)
         threaded = book.store.root is not None and bool(d.writes) and size >= self.threaded_write_bytes
         if not conn.pending and not threaded and d.follows is None:
-            try:
-                book.write(d)  # the in-memory store's dict, or a small shard
-            except OSError as exc:
-                book.abandon(d, f"store failed: {exc}")
-                _answer(d, None, book.store_failed(d, exc))
+            if conn.outbox.empty():
+                self._commit_now(d)
                 return
-            _answer(d, *book.commit(d))
+            # The tasks handed out on arrival go first: the stream's writer sends them while this
+            # batch commits, instead of after it (the worker's engine waits for them; in
+            # bench/scheduler.py's in-memory stream that was 0.3 ms of a ~2.5 ms round trip).
+            d.done = asyncio.get_running_loop().create_future()  # a re-sent copy waits for it
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:  # the stream ended meanwhile: nothing is committed
+                book.abandon(d, "stream closed")
+                raise
+            else:
+                self._commit_now(d)
+            finally:
+                d.done.set_result(None)
             return
         d.done = asyncio.get_running_loop().create_future()
         ahead = conn.pending[-1].done if conn.pending else None
@@ -304,6 +314,17 @@ class ResultPipeline:
         task = asyncio.create_task(self._finish(d, ahead, threaded), name=f"results-{conn.worker.member_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _commit_now(self, d: Decided) -> None:
+        """Write (the in-memory store's dict, or a small shard), commit and answer ``d`` on this step."""
+        book = self.book
+        try:
+            book.write(d)
+        except OSError as exc:
+            book.abandon(d, f"store failed: {exc}")
+            _answer(d, None, book.store_failed(d, exc))
+            return
+        _answer(d, *book.commit(d))
 
     async def _finish(self, d: Decided, ahead: asyncio.Future | None, threaded: bool) -> None:
         book, answer = self.book, None

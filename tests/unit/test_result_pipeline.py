@@ -262,6 +262,54 @@ def test_the_in_memory_store_answers_on_arrival(monkeypatch):
     assert not any(isinstance(m, Assign) for m in drain(w))
 
 
+def test_in_memory_the_tasks_handed_out_on_arrival_reach_the_stream_writer_before_the_commit():
+    h = Harness()
+    h.sched.submit(RUN, 1, specs(4), IterationConfig())
+    w = h.worker("a", slots=2)
+    t0, t1 = assigned(drain(w))
+    pipe = ResultPipeline(h.sched)
+    seen = []
+
+    async def writer():  # the Work stream's writer: what it takes, and what was committed by then
+        item = await w.outbox.get()
+        seen.append((type(item).__name__, h.it().tasks[t0].status))
+
+    async def scenario():
+        reader = asyncio.create_task(writer())
+        await pipe.submit(w, [(1, group(t0)), (1, group(t1))], "b1")
+        await reader
+        assert seen == [("Assign", TaskStatus.RUNNING)]  # sent before the batch committed
+        assert not w.pending and h.it().tasks[t0].status is TaskStatus.DONE
+        assert [m.accepted for m in drain(w) if isinstance(m, Ack)] == [2]
+
+    run(scenario)
+
+
+def test_in_memory_a_stream_that_ends_before_the_commit_strands_nothing():
+    h = Harness()
+    h.sched.submit(RUN, 1, specs(4), IterationConfig())
+    w = h.worker("a", slots=2)
+    t0, t1 = assigned(drain(w))
+    pipe = ResultPipeline(h.sched)
+
+    async def scenario():
+        submit = asyncio.create_task(pipe.submit(w, [(1, group(t0)), (1, group(t1))], "b1"))
+        await asyncio.sleep(0)  # decided, waiting for its turn to commit
+        assert h.it().tasks[t0].storing and "b1" in h.sched._deciding
+        h.sched.disconnect(w, "broken")  # as the Work stream's end does: then its reader is cancelled
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+
+    run(scenario)
+    it = h.it()
+    assert not any(t.storing for t in it.tasks.values()) and not h.sched._deciding
+    assert it.count(TaskStatus.DONE) == 0 and it.count(TaskStatus.QUEUED) == 4  # t0, t1 back in the queue
+    assert not [m for m in drain(w) if isinstance(m, Ack)]
+    b = h.worker("b", slots=4)  # and handed out again
+    assert sorted(assigned(drain(b))) == sorted([t0, t1, "t02", "t03"])
+
+
 def test_a_small_batch_is_stored_on_arrival_and_a_big_one_in_the_writer_thread(tmp_path):
     h = Harness(state_dir=tmp_path)
     h.sched.submit(RUN, 1, specs(2), IterationConfig())
