@@ -137,7 +137,9 @@ class BarrierOps:
             if barrier.result is None and barrier.arrived.get(a.member_id) != a.incarnation and once not in seen:
                 seen.add(once)
                 writes.append((i, run, barrier))
-        if writes:
+        # Barrier and arrival rows are read only when a restarted coordinator loads its state: a
+        # memory-only one skips them (at 64 members, 0.2 ms of the 0.4 ms per round of arrive_many).
+        if writes and self.db.durable:
             try:
                 with self.db.tx() as db:
                     for key, barrier in created.items():
@@ -190,16 +192,18 @@ class BarrierOps:
             return
         late = [run.members[mid] for mid in decision.evict]
         late_reason = f"missed barrier {barrier.name!r} (timeout {barrier.timeout_s:.3f}s)"
-        with self.db.tx() as db:  # the evictions and the result commit together, or neither does
-            for m in late:
-                db.put_member(run.run_id, m, status=MemberStatus.EVICTED, reason=late_reason)
-            if late:
-                db.put_run(run, epoch=run.epoch + len(late))
-            db.put_barrier(run.run_id, barrier, decision.result)
-            db.delete_arrivals(run.run_id, barrier.name)
-            dropped = list(itertools.islice(run.decided, max(0, len(run.decided) + 1 - self.limits.keep_decided_barriers)))
-            for name in dropped:
-                db.delete_barrier(run.run_id, name)
+        dropped = list(itertools.islice(run.decided, max(0, len(run.decided) + 1 - self.limits.keep_decided_barriers)))
+        if late or self.db.durable:
+            with self.db.tx() as db:  # the evictions and the result commit together, or neither does
+                for m in late:
+                    db.put_member(run.run_id, m, status=MemberStatus.EVICTED, reason=late_reason)
+                if late:
+                    db.put_run(run, epoch=run.epoch + len(late))
+                if db.durable:  # (see arrive_many)
+                    db.put_barrier(run.run_id, barrier, decision.result)
+                    db.delete_arrivals(run.run_id, barrier.name)
+                    for name in dropped:
+                        db.delete_barrier(run.run_id, name)
         for name in dropped:  # committed: memory follows
             run.decided.popleft()
             del run.barriers[name]

@@ -82,6 +82,12 @@ class StateDB:
 
     # -- transactions ------------------------------------------------------------------------
 
+    @property
+    def durable(self) -> bool:
+        """Whether anything written here outlives the process (False: the in-memory database,
+        whose rows only a restart would read back, and a restart starts it empty)."""
+        return self.path is not None
+
     def tx(self) -> "_Tx":
         return _Tx(self)
 

@@ -199,3 +199,20 @@ def test_answers_parked_for_a_full_queue_count_toward_the_arrivals_bound(core, m
         await asyncio.wait_for(stream.drained(), 1)
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_a_memory_only_coordinator_decides_barriers_without_barrier_rows(clock):
+    """Barrier and arrival rows are read back only by a restart, which memory-only state does not
+    survive: they are not written, and an eviction (which is) still reaches the members table."""
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=60.0, clock=clock)
+    inc = {m: core.join("r", m)[0].incarnation for m in ("a", "b", "c")}
+    results = core.arrive_many([Arrival("r", m, inc[m], "x") for m in ("a", "b", "c")])
+    assert [r.outcome for r in results] == [Outcome.COMPLETED] * 3
+    assert core.arrive_many([Arrival("r", "a", inc["a"], "y", timeout_s=1.0)]) == [None]
+    clock.now += 2.0
+    core.tick()  # b and c missed y: evicted
+    assert core.runs["r"].barriers["y"].result.evicted == ["b", "c"]
+    rows = lambda table: core.db.connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: E731
+    assert rows("barriers") == rows("arrivals") == 0
+    statuses = dict(core.db.connection.execute("SELECT member_id, status FROM members"))
+    assert statuses["b"] == statuses["c"] != statuses["a"]
