@@ -117,6 +117,8 @@ def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
         cmd += ["--checkpoint-every", "1", "--own-checkpoints"]
     if case.get("lose_host"):
         cmd.append("--lose-host")
+    if case.get("restart"):
+        cmd.append("--restart-workers")
     cmd += ["--", f"--trainer.strategy={args.strategy}"]
     t0 = time.monotonic()
     try:
@@ -125,7 +127,8 @@ def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
     except subprocess.TimeoutExpired as exc:
         rc, stdout = None, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
     wall = time.monotonic() - t0
-    row = {"run": label, "backend": case["backend"], "wall_s": round(wall, 1)}
+    row = {"run": label, "backend": case["backend"], "in_place": case["backend"] == "elasticrl" and not case.get("restart"),
+           "wall_s": round(wall, 1)}
     if rc != 0:
         # A baseline that never recovers is a result, not a bench failure.
         if case["backend"] != "elasticrl":
@@ -188,6 +191,8 @@ def cases(args) -> list[dict]:
             out.append({"label": f"{backend}-kill-{phase}", "backend": backend, "phase": phase, "signal": "KILL"})
         if args.host_stop:
             out.append({"label": f"{backend}-stop-update", "backend": backend, "phase": "update", "signal": "STOP"})
+    for phase in filter(None, args.restart_phases.split(",")):  # the survivors restarted by torchrun, not in place
+        out.append({"label": f"restart-kill-{phase}", "backend": "elasticrl", "phase": phase, "signal": "KILL", "restart": True})
     if args.lose_host:  # elasticrl only: c10d runs keep no snapshots
         out.append({"label": "elasticrl-lost-host-update", "backend": "elasticrl", "phase": "update", "signal": "KILL", "lose_host": True})
     return out
@@ -225,12 +230,13 @@ def render(doc: dict) -> str:
             f"{r['snapshot_share'] * 100:>8.2f}% {r.get('snapshot_exchange_share', 0.0) * 100:>8.2f}% {r['reward_last5']:>7.3f} "
             f"{r['wall_s']:>7.1f}"
         )
-    by = {(r.get("backend"), r.get("kill_phase"), r.get("kill_signal")): r for r in doc["demo"]}
-    for (backend, phase, sig), r in by.items():
-        base = by.get(("c10d", phase, sig))
-        if backend == "elasticrl" and phase and base and r.get("kill_to_training_s") and base.get("kill_to_training_s"):
-            lines.append(f"{phase} SIG{sig}: c10d / elasticrl time to training = "
-                         f"{base['kill_to_training_s'] / r['kill_to_training_s']:.1f}x")
+    by = {(r.get("backend"), r.get("kill_phase"), r.get("kill_signal"), r.get("in_place")): r for r in doc["demo"]}
+    for (backend, phase, sig, in_place), r in by.items():
+        for base_key, name in (((("c10d", phase, sig, False)), "c10d"), (("elasticrl", phase, sig, False), "restarted workers")):
+            base = by.get(base_key)
+            if in_place and phase and base and r.get("kill_to_training_s") and base.get("kill_to_training_s"):
+                lines.append(f"{phase} SIG{sig}: {name} / in place, time to training = "
+                             f"{base['kill_to_training_s'] / r['kill_to_training_s']:.1f}x")
     return "\n".join(lines)
 
 
@@ -243,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default="rollout,update,checkpoint",
                    help="SIGKILL phases, comma-separated: rollout, update, checkpoint, boundary (default: %(default)s)")
     p.add_argument("--baseline-phases", default="update", help="SIGKILL phases of the baseline runs (default: %(default)s)")
+    p.add_argument("--restart-phases", default="update",
+                   help="SIGKILL phases run again with the survivors' workers restarted by torchrun (demo --restart-workers) "
+                   "instead of re-formed in place; empty: none (default: %(default)s)")
     p.add_argument("--no-host-stop", dest="host_stop", action="store_false",
                    help="skip the silent-host case (SIGSTOP of every process of the node during the update)")
     p.add_argument("--lose-host", action="store_true",

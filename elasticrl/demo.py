@@ -103,6 +103,12 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
         help="every node keeps its checkpoints in RUN_DIR/node-K/checkpoints (checkpoint.every_node), as hosts "
         "without a shared filesystem do; a re-formed world resumes from the newest any node holds",
     )
+    p.add_argument(
+        "--restart-workers", action="store_true",
+        help="on a lost node, let torchrun restart the survivors' workers (the elasticrl backend's behaviour without "
+        "--rdzv-conf in_place=true) instead of their re-forming the world in place; the default for every strategy "
+        "but DDP on gloo, the one that re-forms in place",
+    )
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="extra --section.key=value overrides for every node, after --")
     return p
 
@@ -319,6 +325,8 @@ class Demo:
         ]
         if self.backend == "c10d":
             cmd.append(f"--rdzv-conf=is_host={'true' if k == 0 else 'false'}")
+        elif not a.restart_workers:
+            cmd.append("--rdzv-conf=in_place=true")
         own = [f"--checkpoint.dir={self.node_dir(k)}/checkpoints", "--checkpoint.every_node=true"] if a.own_checkpoints else []
         cmd += [
             "-m", "elasticrl.node", "--config", os.path.abspath(a.config),
@@ -479,6 +487,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
     except cfgmod.ConfigError as exc:
         parser.error(str(exc))
     args.iterations = config.run.iterations
+    if cfgmod.in_place_unsupported(config.trainer.strategy, config.trainer.backend):
+        args.restart_workers = True  # elsewhere a lost node would spend one of torchrun's --max-restarts
     try:  # the rows, the reward functions and the env too: a bad file or row must stop us here
         from elasticrl.rl.rewards import RewardError, reward_function
         from elasticrl.rl.workload import episode_env, row_source, toy_task

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(logctx)
     logging.basicConfig(level=config.logging.level.upper(), handlers=[handler], force=True)
+    from elasticrl.train import reform
+
+    rc = 0
     try:
         # A dead peer fails our collectives (or our barrier) before torchrun notices; park the
         # worker so the agent's membership-driven restart wins and --max-restarts is not spent.
@@ -102,11 +105,14 @@ def main(argv: list[str] | None = None) -> int:
             NodeTrainer(config, world, logctx).run()
     except cfgmod.ConfigError as exc:
         log.error("%s", exc)
-        return 2
+        rc = 2
+    except SystemExit as exc:  # torchrun's SIGTERM (train/stop.py)
+        rc = exc.code if isinstance(exc.code, int) else 1
     except Exception:
         log.exception("training failed")
-        return 1
-    return 0
+        rc = 1
+    reform.exit_if_abandoned(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ rollout, algorithm, trainer, checkpoint, logging), ``workload`` (task and env), 
 from elasticrl.config.base import ConfigError
 from elasticrl.config.node import (
     CHECKPOINT_HOLD_ENV,
+    IN_PLACE_ENV,
+    in_place_unsupported,
     COORDINATOR_ENV,
     RUN_ID_ENV,
     TLS_CA_ENV,
@@ -49,7 +51,7 @@ from elasticrl.config.sections import (
 from elasticrl.config.workload import TASK_KINDS, EnvConfig, TaskConfig
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "CHECKPOINT_HOLD_ENV", "COORDINATOR_ENV", "DTYPES", "ENGINES", "LOG_LEVELS", "LOSSES", "MODEL_KINDS",
+    "ADVANTAGES", "AGGREGATIONS", "CHECKPOINT_HOLD_ENV", "COORDINATOR_ENV", "DTYPES", "ENGINES", "IN_PLACE_ENV", "in_place_unsupported", "LOG_LEVELS", "LOSSES", "MODEL_KINDS",
     "RL_PHASES", "RUN_ID_ENV", "STRATEGIES", "TASK_KINDS", "TLS_CA_ENV", "TOKEN_FILE_ENV", "AlgorithmConfig",
     "CheckpointConfig", "ConfigError", "CoordinatorSection", "EngineConfig", "EnvConfig", "LoggingConfig", "ModelConfig",
     "NodeConfig", "RolloutConfig", "RunConfig", "TaskConfig", "TrainerConfig", "load_config", "parse_overrides", "to_dict",

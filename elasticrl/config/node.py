@@ -34,7 +34,20 @@ CHECKPOINT_HOLD_ENV = "ELASTICRL_FAULT_CHECKPOINT_HOLD_S"
 """Fault injection (the demo's ``--kill-phase checkpoint`` sets it for the node it kills): seconds a
 checkpoint stays in its temporary directory before it is renamed into place, so the kill lands
 while it is being written however fast the write; unset or 0 in any real run."""
+IN_PLACE_ENV = "ELASTICRL_IN_PLACE"
+"""Set to 1 by the torchrun plugin with ``--rdzv-conf in_place=true``: the agents leave a lost node
+to their workers, which re-form their world in place (``train/reform.py``) or exit at once so
+torchrun restarts them."""
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+
+
+def in_place_unsupported(strategy: str, backend: str) -> str | None:
+    """None where a world of trainer ranks can re-form in place (``train/reform.py``), else why not."""
+    if strategy != "ddp":
+        return f"trainer.strategy = {strategy} issues collectives of its own (only ddp re-forms in place)"
+    if backend != "gloo":
+        return f"trainer.backend = {backend}: only gloo groups can be left behind (an NCCL communicator must be aborted)"
+    return None
 
 
 @dataclasses.dataclass(kw_only=True)

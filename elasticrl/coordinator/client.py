@@ -28,6 +28,9 @@ from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S, BarrierResult, RoundResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
+
+CHECKED_WAIT_CHUNK_S = 0.5
+"""How often a barrier wait with a ``check`` runs it, seconds (one re-arrival per chunk)."""
 from elasticrl.errors import (
     CoordinatorTimeoutError,
     CoordinatorUnavailableError,
@@ -268,15 +271,21 @@ class CoordinatorClient:
         timeout_s: float,
         policy: str = "evict_missing",
         epoch: int = 0,
+        check: Callable[[], None] | None = None,
     ) -> BarrierResult:
         """Arrive at barrier ``name`` and return once it is decided.
 
         Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
-        ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``.
+        ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``. ``check``, if
+        given, runs every ``CHECKED_WAIT_CHUNK_S`` while the barrier is undecided; what it raises
+        ends the wait (the arrival stays recorded).
         """
         give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self.reconnect_timeout_s
+        chunk = MAX_WAIT_CHUNK_S if check is None else CHECKED_WAIT_CHUNK_S
         while True:
-            wait_s = max(0.05, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            if check is not None:
+                check()
+            wait_s = max(0.05, min(chunk, give_up - time.monotonic()))
             request = wire.arrive_request(
                 run_id, member_id, incarnation, name, timeout_s=timeout_s, policy=policy, epoch=epoch, wait_s=wait_s
             )
@@ -439,11 +448,13 @@ class Membership:
         if self.fenced is not None:
             raise self.fenced
 
-    def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing") -> BarrierResult:
+    def arrive(self, name: str, *, timeout_s: float, policy: str = "evict_missing",
+               check: Callable[[], None] | None = None) -> BarrierResult:
         self._check()
         try:
             result = self.client.arrive(
-                self.run_id, self.member_id, self.incarnation, name, timeout_s=timeout_s, policy=policy, epoch=self.epoch
+                self.run_id, self.member_id, self.incarnation, name, timeout_s=timeout_s, policy=policy, epoch=self.epoch,
+                check=check,
             )
         except FencedError as exc:
             self._fence(exc)

@@ -240,18 +240,21 @@ def nodes_waiting(
     waiting: list[str],
     lost: list[str],
     max_nodes: int,
+    *,
+    count_lost: bool = True,
 ) -> int:
     """How many nodes want the current round re-formed, as torchrun's ``num_nodes_waiting`` means it.
 
     Counts participants of the current round that are gone (so survivors restart at once instead
-    of hanging in a collective), participants that wait again (their workers failed, so the round
-    is broken even when it is full), other waiting nodes while the round has room for them, and
-    one more when a newer round than ``my_round`` has already completed without this node.
+    of hanging in a collective; not with ``count_lost=False``, where the survivors' workers re-form
+    in place), participants that wait again (their workers failed, so the round is broken even
+    when it is full), other waiting nodes while the round has room for them (a lost node's place
+    is room), and one more when a newer round than ``my_round`` has already completed without this node.
     """
     current = set(participants)
     rejoining = [m for m in waiting if m in current]
     newcomers = [m for m in waiting if m not in current]
-    count = len(lost) + len(rejoining)
+    count = (len(lost) if count_lost else 0) + len(rejoining)
     if newcomers and (len(participants) - len(lost)) < max_nodes:
         count += len(newcomers)
     if round_no > my_round:

@@ -59,6 +59,11 @@ class RendezvousConfig:
     """Deadline of one coordinator call, seconds."""
     connect_timeout_s: float = 30.0
     """How long an unreachable coordinator is retried before giving up, seconds."""
+    in_place: bool = False
+    """A lost node does not restart the survivors' workers: ``-m elasticrl.node`` workers re-form
+    their world in place (``train/reform.py``), or exit at once where they cannot, so torchrun
+    restarts them. A node that joins still restarts everyone into the larger world. Only for
+    ``elasticrl.node`` workers: other scripts would wait in their collectives instead."""
 
     def __post_init__(self) -> None:
         if ":" not in self.endpoint or not self.endpoint.rsplit(":", 1)[1].isdigit():
@@ -93,7 +98,12 @@ class RendezvousConfig:
             value = conf.get(key)
             if value is None or value == "":
                 continue
-            kwargs[field] = _seconds_value(key, value) if field.endswith("_s") else str(value)
+            if field.endswith("_s"):
+                kwargs[field] = _seconds_value(key, value)
+            elif field == "in_place":
+                kwargs[field] = _bool_value(key, value)
+            else:
+                kwargs[field] = str(value)
         endpoint = (params.endpoint or "").strip()
         if not endpoint:
             raise ValueError("--rdzv-endpoint: the elasticrl backend needs HOST:PORT of an `elasticrl coordinator`")
@@ -121,6 +131,7 @@ _CONF_KEYS = {
     "node_id": "node_id",
     "call_timeout": "call_timeout_s",
     "connect_timeout": "connect_timeout_s",
+    "in_place": "in_place",
 }
 _KEY_OF = {field: key for key, field in _CONF_KEYS.items()}
 
@@ -130,6 +141,15 @@ def _seconds_value(key: str, value) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"--rdzv-conf {key}={value!r}: expected a number of seconds, e.g. {key}=5") from None
+
+
+def _bool_value(key: str, value) -> bool:
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"--rdzv-conf {key}={value!r}: expected true or false")
 
 
 def default_node_id() -> str:

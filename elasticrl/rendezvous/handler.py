@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from elasticrl.config import COORDINATOR_ENV, TLS_CA_ENV, TOKEN_FILE_ENV
+from elasticrl.config import COORDINATOR_ENV, IN_PLACE_ENV, TLS_CA_ENV, TOKEN_FILE_ENV
 from elasticrl.coordinator import policy
 from elasticrl.coordinator.client import CoordinatorClient, Membership, RunView, resolve_token
 from elasticrl.errors import (
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 # One RoundJoin call blocks at most this long; shorter than the client's cap so that a closed or
 # fenced state is noticed between calls, too.
 ROUND_WAIT_CHUNK_S = 5.0
+# torchrun's exit barrier in the agents' store (torch.distributed.elastic.agent.server.api).
+EXIT_BARRIER = "torchelastic/agent/terminal_state"
 # How often a non-zero rank re-checks, while waiting for rank 0's MASTER_ADDR, that rank 0 lives.
 BOOTSTRAP_POLL_S = 0.25
 
@@ -82,9 +84,10 @@ def rendezvous_errors(address: str, run_id: str):
 class RunViewCache:
     """The latest ``RunView`` of one run, kept fresh by a daemon thread that consumes ``watch``."""
 
-    def __init__(self, client: CoordinatorClient, run_id: str):
+    def __init__(self, client: CoordinatorClient, run_id: str, on_view=None):
         self._client = client
         self._run_id = run_id
+        self._on_view = on_view
         self._stop = threading.Event()
         self.view: RunView | None = None
         self._thread = threading.Thread(target=self._loop, name=f"elasticrl-rdzv-watch-{run_id}", daemon=True)
@@ -98,6 +101,8 @@ class RunViewCache:
                         if kind in ("evicted", "left"):
                             log.info("run %s: %s %s (%s)", self._run_id, member, kind, reason)
                     self.view = view
+                    if self._on_view is not None:
+                        self._on_view(view)
             except ElasticRLError as exc:
                 if not self._stop.is_set():
                     log.warning("run %s: watch lost (%s); re-subscribing", self._run_id, exc)
@@ -119,6 +124,8 @@ def export_to_workers(config: RendezvousConfig, environ=os.environ) -> None:
         environ.setdefault(TOKEN_FILE_ENV, os.path.abspath(config.token_file))
     if config.tls_ca:
         environ.setdefault(TLS_CA_ENV, os.path.abspath(config.tls_ca))
+    if config.in_place:
+        environ[IN_PLACE_ENV] = "1"
 
 
 class ElasticRLRendezvousHandler(RendezvousHandler):
@@ -146,6 +153,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._round = 0
         self._closed_here = False
         self._shut_down = False
+        self._stood_in: set[tuple[int, str]] = set()
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
@@ -185,7 +193,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
             )
             self._membership = m
             if self._views is None:
-                self._views = RunViewCache(self._client, self.config.run_id)
+                self._views = RunViewCache(self._client, self.config.run_id, self._stand_in if self.config.in_place else None)
         log.info(
             "run %s: joined as %s incarnation %d (lease %.1fs) at coordinator %s",
             self.config.run_id, m.member_id, m.incarnation, m.lease_ttl_s, self.config.endpoint,
@@ -296,6 +304,31 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                     f"publish the workers' store address within read_timeout={self.config.read_timeout_s:g}s"
                 )
 
+    def _stand_in(self, view: RunView) -> None:
+        """in_place (the watch thread): check in at torchrun's exit barrier for every node lost from
+        this agent's round, since the survivors finish without it. Exactly one survivor does it
+        per lost node (a compare-and-set on the round's store); the last check-in opens the barrier."""
+        r, round_no = view.round, self._round
+        if round_no == 0 or r.round != round_no:
+            return
+        for node in r.lost:
+            if (round_no, node) in self._stood_in:
+                continue
+            store = CoordinatorStore(self._client, self.config.run_id, f"torchrun/round-{round_no}/",
+                                     timeout_s=self.config.read_timeout_s)
+            mine = self.config.node_id.encode()
+            try:
+                if store.compare_set(f"elasticrl/exit-stand-in/{node}", b"", mine) != mine:
+                    self._stood_in.add((round_no, node))
+                    continue  # another survivor did
+                if store.add(EXIT_BARRIER + "/num_members", 1) == len(r.participants):
+                    store.set(EXIT_BARRIER + "/last_member", b"<val_ignored>")
+                self._stood_in.add((round_no, node))
+                log.warning("run %s: node %s lost (in_place: its survivors' workers go on); checked in at the exit "
+                            "barrier of round %d for it", self.config.run_id, node, round_no)
+            except Exception as exc:  # noqa: BLE001 - the agents' exit barrier then times out instead
+                log.warning("run %s: could not check in for lost node %s: %s", self.config.run_id, node, exc)
+
     def num_nodes_waiting(self) -> int:
         """Nodes that want the current round re-formed: waiting to join it, or gone from it.
 
@@ -308,9 +341,10 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         if view is None or self._round == 0 or view.round.round < self._round:
             return 0  # nothing formed yet, or the cache has not seen our own round yet
         r = view.round
-        return policy.nodes_waiting(
-            self._round, r.round, list(r.participants), list(r.waiting), list(r.lost), r.max_nodes
-        )
+        # in_place: a lost node is its survivors' workers' business (they re-form in place, or
+        # exit so that this agent restarts them); only nodes that join re-form the round.
+        return policy.nodes_waiting(self._round, r.round, list(r.participants), list(r.waiting), list(r.lost),
+                                    r.max_nodes, count_lost=not self.config.in_place)
 
     def get_run_id(self) -> str:
         return self.config.run_id

@@ -24,6 +24,8 @@ import logging
 import os
 import time
 
+from elasticrl.config import IN_PLACE_ENV
+
 log = logging.getLogger(__name__)
 
 LEASE_TTL_ENV = "ELASTICRL_RDZV_LEASE_TTL_S"  # set by the agent's handler, inherited by workers
@@ -33,7 +35,10 @@ DEFAULT_GRACE_S = 10.0
 
 
 def default_grace_s() -> float:
-    """Lease TTL + slack when the agent uses the elasticrl backend, else a fixed default."""
+    """Lease TTL + slack when the agent uses the elasticrl backend, else a fixed default; 0 with
+    ``--rdzv-conf in_place=true``, where the agent restarts no worker for a lost node."""
+    if os.environ.get(IN_PLACE_ENV) == "1":
+        return 0.0
     try:
         return float(os.environ[LEASE_TTL_ENV]) * 1.5 + GRACE_SLACK_S
     except (KeyError, ValueError):

@@ -1,5 +1,9 @@
 """torch.distributed plumbing for a torchrun worker: world from the environment, and broadcasts of
 JSON and named tensors without pickle (``broadcast_object_list`` pickles, so it is not used).
+
+Every collective here is issued asynchronously and waited through ``wait``: by default the work's
+own wait, and while a ``WorldWatch`` is installed (``set_waiter``, in-place re-forming), a wait that
+a lost rank fails at once instead of leaving this thread blocked in gloo until its timeout.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,22 @@ import torch.distributed as dist
 from elasticrl.weights.peer import route_source
 
 log = logging.getLogger(__name__)
+
+_waiter: Callable[[dist.Work], None] | None = None
+
+
+def set_waiter(waiter: Callable[[dist.Work], None] | None) -> None:
+    """How ``wait`` waits for a collective from now on (None: the work's own, blocking, wait)."""
+    global _waiter
+    _waiter = waiter
+
+
+def wait(work: dist.Work) -> None:
+    """Wait for an asynchronous collective (``async_op=True``) through the installed waiter."""
+    if _waiter is None:
+        work.wait()
+    else:
+        _waiter(work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +121,12 @@ def broadcast_bytes(data: bytes | None, src: int) -> bytes:
     """``data`` from rank ``src`` to every rank (other ranks pass None)."""
     device = comm_device()
     size = torch.tensor([len(data) if dist.get_rank() == src else 0], dtype=torch.long, device=device)
-    dist.broadcast(size, src)
+    wait(dist.broadcast(size, src, async_op=True))
     if dist.get_rank() == src:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src)
+    wait(dist.broadcast(buf, src, async_op=True))
     return bytes(buf.cpu().tolist()) if dist.get_rank() != src else data
 
 
@@ -121,12 +141,12 @@ def all_gather_json(obj) -> list:
     data = json.dumps(obj).encode()
     device = comm_device()
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    wait(dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), async_op=True))
     longest = max(int(s) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)  # never empty: JSON
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-    dist.all_gather(parts, mine)
+    wait(dist.all_gather(parts, mine, async_op=True))
     return [json.loads(p[:int(n)].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
 
 
@@ -142,18 +162,18 @@ def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, src: int) -> dict
             t = tensors[name].to(device).contiguous()
         else:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.broadcast(t, src)
+        wait(dist.broadcast(t, src, async_op=True))
         out[name] = t.cpu()
     return out
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    wait(dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
     return t.tolist()
 
 
 def all_reduce_int(value: int, op: dist.ReduceOp) -> int:
     t = torch.tensor([value], dtype=torch.long, device=comm_device())
-    dist.all_reduce(t, op=op)
+    wait(dist.all_reduce(t, op=op, async_op=True))
     return int(t.item())

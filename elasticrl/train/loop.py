@@ -18,7 +18,9 @@ or its node died), the worker exits with ``WorldChangedError`` instead of enteri
 that would hang; torchrun then re-forms the group and every worker resumes from the newest
 complete snapshot (every rank's shard of every iteration, in host memory and on a buddy node) or
 checkpoint that survives (``train/recovery.py``; no shared filesystem needed). Iterations the
-scheduler already sealed are reused, not rolled out again.
+scheduler already sealed are reused, not rolled out again. With ``--rdzv-conf in_place=true`` and
+DDP on gloo, the surviving workers re-form the world themselves instead, in the same processes
+(``train/reform.py``), and resume from the same snapshots.
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version
+from elasticrl.train import reform
 from elasticrl.train.background import BackgroundCall
-from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, broadcast_json, init_process_group
+from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, broadcast_json, init_process_group, set_waiter
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.model import build_engine, build_policy, build_runner
+from elasticrl.train.inplace import InPlace
 from elasticrl.train.recovery import Recovery
+from elasticrl.train.reform import WorldChangedError
 from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, check_failures, dummy_batch
 from elasticrl.train.staleness import keep_fresh, lag_summary, merge_lags
 from elasticrl.train.submit import Submitter, is_eval
@@ -63,15 +68,7 @@ log = logging.getLogger(__name__)
 GENERATION_KEY = b"elasticrl/worker-generation"
 
 
-class WorldChangedError(ElasticRLError, dist.DistError):
-    """A rank of the current world was evicted; the worker group must re-form (torchrun restarts it).
-
-    A ``DistError`` like the collective failures a dead peer causes, so ``restart_grace`` treats
-    it as one.
-    """
-
-
-class NodeTrainer:
+class NodeTrainer(InPlace):
     def __init__(self, config: NodeConfig, world: WorldInfo, logctx: WorkerLogContext | None = None):
         self.cfg = config
         self.world = world
@@ -96,6 +93,9 @@ class NodeTrainer:
             )
         self.client: SchedulerClient | None = None
         self.membership: Membership | None = None
+        self.members: list[str] = []  # the member id of each rank of the current world, in rank order
+        self.watch: reform.WorldWatch | None = None  # in-place re-forming (train/reform.py)
+        self.reformer: reform.Reformer | None = None
         self.rollout: EngineWorker | None = None
         self.engine = None
         self.strategy = None
@@ -111,6 +111,7 @@ class NodeTrainer:
         self._publishing: BackgroundCall | None = None
         self.publisher: WeightPublisher | None = None
         self._unrecorded: dict | None = None
+        self._token: str | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -123,29 +124,25 @@ class NodeTrainer:
             self.device = torch.device("cuda", world.local_rank)
         init_process_group(cfg.trainer.backend, world, timeout_s=cfg.coordinator.barrier_timeout_s + 60)
         c = cfg.coordinator
-        token = resolve_token(None, c.token_file or None)
+        token = self._token = resolve_token(None, c.token_file or None)
         self.client = SchedulerClient(
             c.address, token=token, tls_ca=c.tls_ca or None,
             call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
         )
         members_run = f"{cfg.run.run_id}.workers"
-        generation = self.client.kv_add(members_run, GENERATION_KEY, 1) if world.rank == 0 else None
-        r = cfg.rollout
-        if world.rank == 0 and r.publish_weights:
-            self.publisher = WeightPublisher(self.client, rollout_run(cfg.run.run_id), member_id(0), mode=r.weights_transfer, token=token,
-                                             coordinator_address=c.address, relay_host=r.relay_host, relay_port=r.relay_port)
-        self.generation = int(broadcast_json(generation, src=0))
-        if world.rank == 0:
-            self.submitter = Submitter(cfg, self.rows, self.client, generation=self.generation, max_new_tokens=self.max_new_tokens)
+        self.generation = self._next_generation()
+        self._lead(token)
         self.membership = Membership(
             self.client,
             members_run,
             member_id(world.rank),
             capabilities={"node": self.logctx.node, "group_rank": str(world.node_rank), "generation": str(self.generation)},
         )
+        self.members = [member_id(r) for r in range(world.world_size)]
         # Every rank holds its new incarnation before anyone opens a barrier, so no barrier expects
         # an old incarnation of a current rank (which would then show up as "evicted").
         dist.barrier()
+        self._watch_world(members_run, token)
         log.info(
             "joined %s as %s (incarnation %d), generation %d, world %d",
             members_run, self.membership.member_id, self.membership.incarnation, self.generation, world.world_size,
@@ -159,6 +156,8 @@ class NodeTrainer:
             grad_clip_norm=t.grad_clip_norm, deepspeed_config=dict(t.deepspeed_config),
         ))
         self.strategy.wrap(self.parts.model, adamw_factory(lr=t.lr, weight_decay=t.weight_decay))
+        if self.reformer is not None:
+            reform.abortable_ddp(self.strategy.module, self.watch)
         self.device = self.strategy.device
         start = self._resume() if cfg.checkpoint.resume else 0
         if start == 0 and t.warmup_steps and self.task is not None:
@@ -177,20 +176,44 @@ class NodeTrainer:
         if cfg.run.rl_phase != "update":  # an update-only run trains on sealed iterations: no engine work
             self._start_engine_worker(token)
         if world.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            write_json(cfg, os.path.join(self.run_dir, "config.json"))
-            records = JsonLines(self.run_dir)
-            self.sinks = [ProgressTable(cfg.run.iterations), records, *open_sinks(cfg)]
-            if self._unrecorded is not None and records.last_iteration() < self._unrecorded["iteration"]:
-                log.info("iteration %d finished before the failure but was not on record; recording it now",
-                         self._unrecorded["iteration"])
-                self._report(self._unrecorded)
+            self._open_records()
             n = sum(p.numel() for p in self.strategy.unwrap().parameters())
             log.info(
                 "policy %s: %d parameters; strategy %s; engine %s; task %s; run dir %s",
                 cfg.model.kind, n, t.strategy, cfg.engine_name, workload_name(cfg), self.run_dir,
             )
         return start + 1
+
+    def _next_generation(self) -> int:
+        """*Collective.* A new generation of the worker group, drawn by rank 0 from the coordinator's KV."""
+        members_run = f"{self.cfg.run.run_id}.workers"
+        generation = self.client.kv_add(members_run, GENERATION_KEY, 1) if self.world.rank == 0 else None
+        return int(broadcast_json(generation, src=0))
+
+    def _lead(self, token: str | None) -> None:
+        """Rank 0's parts (also a rank that became rank 0 in a re-form): the weight publisher and
+        the submitter of this generation."""
+        cfg, c, r = self.cfg, self.cfg.coordinator, self.cfg.rollout
+        if self.world.rank != 0:
+            return
+        if r.publish_weights and self.publisher is None:
+            self.publisher = WeightPublisher(self.client, rollout_run(cfg.run.run_id), member_id(0), mode=r.weights_transfer, token=token,
+                                             coordinator_address=c.address, relay_host=r.relay_host, relay_port=r.relay_port)
+        self.submitter = Submitter(cfg, self.rows, self.client, generation=self.generation, max_new_tokens=self.max_new_tokens)
+
+    def _open_records(self) -> None:
+        """Rank 0: the progress table, metrics.jsonl and the other sinks; adds the record of an
+        iteration the resumed snapshot finished but nobody reported."""
+        cfg = self.cfg
+        if not self.sinks:
+            os.makedirs(self.run_dir, exist_ok=True)
+            write_json(cfg, os.path.join(self.run_dir, "config.json"))
+            self.sinks = [ProgressTable(cfg.run.iterations), JsonLines(self.run_dir), *open_sinks(cfg)]
+        records = next(s for s in self.sinks if isinstance(s, JsonLines))
+        if self._unrecorded is not None and records.last_iteration() < self._unrecorded["iteration"]:
+            log.info("iteration %d finished before the failure but was not on record; recording it now",
+                     self._unrecorded["iteration"])
+            self._report(self._unrecorded)
 
     def _start_engine_worker(self, token: str | None) -> None:
         cfg, c = self.cfg, self.cfg.coordinator
@@ -280,16 +303,25 @@ class NodeTrainer:
     # -- one iteration -----------------------------------------------------------------------
 
     def _barrier(self, iteration: int, phase: str) -> None:
-        result = self.membership.arrive(f"g{self.generation}/iter-{iteration}/{phase}", timeout_s=self.cfg.coordinator.barrier_timeout_s)
-        current = {member_id(r) for r in range(self.world.world_size)}
-        lost = sorted(current & set(result.evicted))
+        name, timeout_s = f"g{self.generation}/iter-{iteration}/{phase}", self.cfg.coordinator.barrier_timeout_s
+        if self.reformer is None:
+            result = self.membership.arrive(name, timeout_s=timeout_s)
+        else:
+            # In place: a survivor that finished the collective the lost rank broke (the others did
+            # not) must not wait here for them while they wait at the re-form barrier: the watch
+            # ends this wait. And the barrier evicts nobody at its deadline (it may be left
+            # undecided, its ranks re-formed and alive): a straggler is reported instead.
+            result = self.membership.arrive(name, timeout_s=timeout_s, policy="report", check=self.watch.check)
+        lost = sorted(set(self.members) & set(result.evicted))
         if lost:
             raise WorldChangedError(f"iteration {iteration} ({phase}): {', '.join(lost)} evicted ({result.reason}); re-forming")
 
     def _rollout(self, iteration: int) -> dict:
         """Wait for the iteration to seal (every node's engine works on it meanwhile); fails at
         once if this node's engine worker stopped (a broken reward, a dead engine)."""
-        check = self.rollout.check if self.rollout is not None else None
+        checks = [c for c in (self.rollout.check if self.rollout is not None else None,
+                              self.watch.check if self.reformer is not None else None) if c is not None]
+        check = (lambda: [c() for c in checks]) if checks else None
         timeout = self.cfg.rollout.seal_timeout_s
         if self.cfg.run.rl_phase == "update":
             status = self.client.iteration_status(rollout_run(self.cfg.run.run_id), iteration)
@@ -513,26 +545,13 @@ class NodeTrainer:
             first = self._setup()
             if first > self.cfg.run.iterations:
                 log.info("nothing to do: checkpoint %d already covers run.iterations=%d", first - 1, self.cfg.run.iterations)
-            every = self.cfg.checkpoint.every_iterations
+            while True:
+                try:
+                    self._train(first)
+                    break
+                except Exception as exc:  # noqa: BLE001 - raised again unless a rank was lost (_reform)
+                    first = self._reform(exc)
             updating = self.cfg.run.rl_phase != "rollout"
-            saving_s = 0.0
-            for iteration in range(first, self.cfg.run.iterations + 1):
-                self.logctx.iteration = iteration
-                saving = updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0))
-                extra = {"t_checkpoint": saving_s}  # the save after the previous iteration
-                if saving:
-                    extra["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
-                # The snapshot (taken in _iteration) holds the record, and a world resumed from it
-                # adds the record if nobody wrote it (see _setup), so every finished iteration is on
-                # record once. A checkpoint comes after the record (and holds it too).
-                metrics = self._iteration(iteration, extra)
-                self._report(metrics)
-                saving_s = 0.0
-                if saving:
-                    t0 = time.monotonic()
-                    meta = self._state_meta(iteration, metrics["reward_mean"])
-                    self.recovery.save_checkpoint(self.strategy, iteration, meta, self.reference, metrics)
-                    saving_s = time.monotonic() - t0
             if self.cfg.checkpoint.export_hf and updating:
                 self._export()
             if self.world.rank == 0 and self.recovery.last_checkpoint:
@@ -542,11 +561,36 @@ class NodeTrainer:
         finally:
             self.close()
 
+    def _train(self, first: int) -> None:
+        """Iterations ``first`` .. ``run.iterations``, each reported, with the periodic checkpoints."""
+        every = self.cfg.checkpoint.every_iterations
+        updating = self.cfg.run.rl_phase != "rollout"
+        saving_s = 0.0
+        for iteration in range(first, self.cfg.run.iterations + 1):
+            self.logctx.iteration = iteration
+            saving = updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0))
+            extra = {"t_checkpoint": saving_s}  # the save after the previous iteration
+            if saving:
+                extra["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
+            # The snapshot (taken in _iteration) holds the record, and a world resumed from it
+            # adds the record if nobody wrote it (see _setup), so every finished iteration is on
+            # record once. A checkpoint comes after the record (and holds it too).
+            metrics = self._iteration(iteration, extra)
+            self._report(metrics)
+            saving_s = 0.0
+            if saving:
+                t0 = time.monotonic()
+                meta = self._state_meta(iteration, metrics["reward_mean"])
+                self.recovery.save_checkpoint(self.strategy, iteration, meta, self.reference, metrics)
+                saving_s = time.monotonic() - t0
+
     def _finish(self) -> None:
         """Every rank is done: close the scheduler's run, so rollout-only workers exit (not after
         a rollout-only phase: an update phase will read its iterations), and free the host memory
         of this run's snapshots (the disk checkpoints stay)."""
         self.recovery.before_finish()
+        if self.watch is not None:  # the ranks leave from here on: no more a loss
+            self.watch.close()
         dist.barrier()
         self.recovery.finish()
         if self.world.rank == 0 and self.cfg.run.rl_phase != "rollout":
@@ -556,6 +600,9 @@ class NodeTrainer:
                 pass
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            set_waiter(None)
         self.recovery.close()
         if self.rollout is not None:
             self.rollout.stop()

@@ -54,6 +54,12 @@ def _watch(fd: int, grace_s: float, flush_s: float) -> None:
         pass
     time.sleep(grace_s)  # the main thread leaves cleanly if it can; then this thread dies with it
     log.warning("still running %.1fs after SIGTERM (blocked in a collective?): flushing, then exiting", grace_s)
+    exit_now(EXIT_CODE, flush_s)
+
+
+def exit_now(code: int, flush_s: float = 60.0) -> None:
+    """Run the registered flushes within ``flush_s``, then end the process with ``code`` at once,
+    from any thread, whatever the main thread is blocked in."""
     deadline = time.monotonic() + flush_s
     for flush in list(_flushes):
         try:
@@ -62,4 +68,4 @@ def _watch(fd: int, grace_s: float, flush_s: float) -> None:
             log.warning("flush before exit failed: %s", exc)
     for handler in logging.getLogger().handlers:
         handler.flush()
-    os._exit(EXIT_CODE)
+    os._exit(code)

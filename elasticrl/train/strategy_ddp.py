@@ -41,10 +41,21 @@ class DDPStrategy:
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
         self._device = prepare_model(model, self.config)
         self._model = model
-        device_ids = [self._device.index] if self._device.type == "cuda" else None
-        self._ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self._ddp = self._wrap_ddp()
         self.optimizer = optimizer_factory(model.parameters())
         log.info("rank %d: ddp on %s, bf16=%s", dist.get_rank(), self._device, self.config.bf16)
+
+    def regroup(self) -> None:
+        """DDP again over the current default group (the world re-formed in place): the same module
+        and optimizer, whose state the caller then loads from a snapshot."""
+        self._ddp = self._wrap_ddp()
+
+    def _wrap_ddp(self) -> DistributedDataParallel:
+        # broadcast_buffers=False: a policy's buffers (rotary tables) are computed alike on every
+        # rank and never trained; broadcasting them before each forward would be a blocking
+        # collective that in-place re-forming (train/reform.py) could not abandon.
+        device_ids = [self._device.index] if self._device.type == "cuda" else None
+        return DistributedDataParallel(self._model, device_ids=device_ids, broadcast_buffers=False)
 
     @property
     def module(self) -> nn.Module:

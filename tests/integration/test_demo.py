@@ -170,6 +170,12 @@ def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path
         timeout_s=170,
     )
     assert result.returncode == 0, result.stdout
+    if strategy == "ddp":  # the survivors' workers re-formed the world themselves, in the same processes
+        assert result.stdout.count("re-formed in place: rank") == 2, result.stdout
+        agents = "".join((out / "logs" / f"node-{k}.log").read_text() for k in (0, 1))
+        assert "checked in at the exit barrier of round 1 for it" in agents  # torchrun's exit barrier did not wait for it
+    else:  # DeepSpeed cannot: its workers are restarted by torchrun
+        assert "re-formed in place" not in result.stdout, result.stdout
     # The rollout kill waits until the victim delivered a group; if iteration 4 sealed before
     # that, it strikes in iteration 5 (which then resumes from 4).
     moment = r"during the rollout of iteration (4|5)" if phase == "rollout" else r"right after iteration (4) sealed"
@@ -237,18 +243,21 @@ def test_a_lost_host_s_shard_comes_from_its_buddy(tmp_path, strategy):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_leave_at_once(tmp_path):
+@pytest.mark.parametrize("restart", [False, True], ids=["in-place", "restart-workers"])
+def test_a_silent_host_is_left_behind_at_its_lease_and_the_blocked_survivors_leave_at_once(tmp_path, restart):
     """SIGSTOP every process of one of 3 nodes right after iteration 4 seals: no socket closes, so
-    the survivors block in the update's all-reduce and only the lease (2 s) tells. Their agents
-    then SIGTERM workers stuck in C++: the watchdog exits them (after flushing the snapshot)
-    instead of torchrun SIGKILLing them 30 s later, and the world of 2 resumes from iteration 3."""
+    the survivors block in the update's all-reduce and only the lease (2 s) tells. In place, their
+    watch fails the blocked wait and they re-form; with --restart-workers their agents SIGTERM
+    workers stuck in C++: the watchdog exits them (after flushing the snapshot) instead of torchrun
+    SIGKILLing them 30 s later. Either way the world of 2 resumes from iteration 3."""
     out = tmp_path / "run"
     result = run_demo(
         out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "10", "--kill-at", "4",
-        "--kill-phase", "update", "--kill-signal", "STOP", "--own-checkpoints", "--",
-        "--rollout.slots=2", "--task.prompts_per_iteration=24", timeout_s=170,
+        "--kill-phase", "update", "--kill-signal", "STOP", "--own-checkpoints", *(["--restart-workers"] if restart else []),
+        "--", "--rollout.slots=2", "--task.prompts_per_iteration=24", timeout_s=170,
     )
     assert result.returncode == 0, result.stdout
+    assert result.stdout.count("re-formed in place: rank") == (0 if restart else 2), result.stdout
     assert "killing node-2 (SIGSTOP, a silent host, agent and worker) right after iteration 4 sealed" in result.stdout
     assert re.search(r"resumed from iteration 3 \(snapshot of rank \d, node node-[01]\)", result.stdout), result.stdout
     records = metrics(out)

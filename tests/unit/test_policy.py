@@ -247,6 +247,15 @@ def test_nodes_waiting_counts_lost_waiting_and_newer_rounds():
     assert policy.nodes_waiting(1, 2, ["b", "c"], [], [], 4) == 1
 
 
+def test_nodes_waiting_in_place_leaves_lost_nodes_to_the_workers():
+    """in_place: a lost participant restarts nobody (its survivors' workers re-form by themselves),
+    but its place is room for a node that joins, which still restarts everyone into the larger world."""
+    assert policy.nodes_waiting(1, 1, ["a", "b", "c"], [], ["c"], 3, count_lost=False) == 0
+    assert policy.nodes_waiting(1, 1, ["a", "b", "c"], ["d"], ["c"], 3, count_lost=False) == 1
+    assert policy.nodes_waiting(1, 1, ["a", "b", "c"], ["d"], [], 3, count_lost=False) == 0  # full: d stands by
+    assert policy.nodes_waiting(1, 1, ["a", "b", "c"], ["a"], ["c"], 3, count_lost=False) == 1  # a's workers failed
+
+
 def test_barrier_blocked_agrees_with_decide_barrier_on_random_states():
     """The O(1) per-arrival check must never say "blocked" when the full decision would release."""
     import random
