@@ -47,7 +47,13 @@ class DDPStrategy:
 
     def regroup(self) -> None:
         """DDP again over the current default group (the world re-formed in place): the same module
-        and optimizer, whose state the caller then loads from a snapshot."""
+        and optimizer, whose state the caller then loads from a snapshot. The old DDP's gradient
+        hooks come off the parameters first: still alive (a traceback holds it), its reducer would
+        also take every gradient of the new world into its own buckets. And the gradients a failed
+        backward left go, or the next backward would add to them."""
+        if self._ddp is not None:
+            self._ddp._remove_autograd_hooks()
+        self.optimizer.zero_grad(set_to_none=True)
         self._ddp = self._wrap_ddp()
 
     def _wrap_ddp(self) -> DistributedDataParallel:

@@ -1,13 +1,18 @@
-"""A trainer rank for ``test_reform.py``: a tiny DDP model trained step by step (the gradient
-all-reduce through ``reform.abortable_ddp``, a step count all-reduced through ``train.dist``), that
-re-forms its world in place (``elasticrl.train.reform``) when a peer is lost. Prints one JSON line
-per event on stdout (CLOCK_MONOTONIC times, comparable across processes on one host):
+"""A trainer rank for ``test_reform.py``: a tiny model trained step by step with the trainer's DDP
+strategy (the gradient all-reduce through ``reform.abortable_ddp``, a step count all-reduced through
+``train.dist``), that re-forms its world in place (``elasticrl.train.reform``, then
+``DDPStrategy.regroup``) when a peer is lost. Every step checks the gradients DDP left against the
+exact average of every rank's own gradient, all-reduced separately. The DDP of the old world is
+kept alive on purpose (as a traceback or an autograd graph may keep it in the trainer): it must not
+touch the new world's gradients. Prints one JSON line per event on stdout (CLOCK_MONOTONIC times,
+comparable across processes on one host):
 
     python reform_worker.py ADDRESS RUN RANK WORLD_SIZE STEPS
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import sys
@@ -15,12 +20,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from elasticrl.coordinator.client import CoordinatorClient, Membership
 from elasticrl.rendezvous.store import CoordinatorStore
 from elasticrl.train import reform
-from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, set_waiter
+from elasticrl.train.dist import WorldInfo, all_reduce_int, all_reduce_sum, set_waiter, wait
+from elasticrl.train.strategy import StrategyConfig, make_strategy
 
 
 def emit(**event) -> None:
@@ -42,22 +47,31 @@ def main() -> int:
     reformer = reform.Reformer(address=address, timeout_s=30)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    ddp = DistributedDataParallel(model)
-    reform.abortable_ddp(ddp, watch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    strategy = make_strategy(StrategyConfig(name="ddp"))
+    strategy.wrap(model, lambda params: torch.optim.SGD(params, lr=1e-3))
+    reform.abortable_ddp(strategy.module, watch)
+    lingering = []  # the DDPs of former worlds, kept alive
     emit(event="ready", rank=rank)
     done = 0
     while done < steps:
         try:
             x = torch.full((8, 64), float(world.rank + 1))
-            ddp(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            own = copy.deepcopy(model)  # no DDP hooks on its parameters: this rank's own gradient
+            own.zero_grad(set_to_none=True)  # what a failed step left in the model's is not this step's
+            own(x).square().mean().backward()
+            expected = [p.grad for p in own.parameters()]
+            for g in expected:
+                wait(dist.all_reduce(g, async_op=True))
+                g.div_(world.world_size)
+            strategy.module(x).square().mean().backward()
+            grads_ok = all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), expected))
+            strategy.optimizer.step()
+            strategy.optimizer.zero_grad()
             (ranks,) = all_reduce_sum([1.0])
             assert ranks == world.world_size, (ranks, world)
             done += 1
             checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-            emit(event="step", rank=world.rank, world=world.world_size, n=done, checksum=checksum)
+            emit(event="step", rank=world.rank, world=world.world_size, n=done, checksum=checksum, grads_ok=grads_ok)
             time.sleep(0.01)
         except Exception as exc:  # noqa: BLE001 - re-raised unless a rank was lost
             lost = watch.await_loss(10.0)
@@ -65,8 +79,9 @@ def main() -> int:
                 raise
             emit(event="failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", lost=list(lost))
             _, world = reformer.reform(membership, watch, 0, world, f"node-{rank}")
-            ddp = DistributedDataParallel(model)  # rank 0's parameters to every survivor
-            reform.abortable_ddp(ddp, watch)
+            lingering.append(strategy.module)
+            strategy.regroup()  # rank 0's parameters to every survivor
+            reform.abortable_ddp(strategy.module, watch)
             done = all_reduce_int(done, dist.ReduceOp.MIN)  # a step some finished and others did not is redone
             emit(event="reformed", rank=world.rank, world=world.world_size)
     watch.close()

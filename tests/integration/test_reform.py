@@ -53,8 +53,9 @@ class Rank:
 def test_the_survivors_of_a_lost_rank_re_form_in_place_and_go_on_training(coordinator, tmp_path, victim, how):
     """Rank 0 or 1 of 3 dies mid-training. Each survivor re-forms once, in its own process; old
     ranks keep their order (the lowest survivor becomes rank 0); every step after it is all-reduced
-    over exactly 2 ranks (the worker asserts it), the two hold the same parameters after every
-    step (DDP averaged their gradients), and both finish and exit 0. A SIGSTOPped rank keeps its
+    over exactly 2 ranks (the worker asserts it), its gradients are exactly the average of the
+    world's (with the old world's DDP still alive), the two hold the same parameters after every
+    step, and both finish and exit 0. A SIGSTOPped rank keeps its
     sockets open: the survivors are stuck in gloo until its lease lapses and their watch fails the wait."""
     ranks = [Rank(coordinator.address, f"reform-{victim}-{how.lower()}", r, 3, 150, tmp_path) for r in range(3)]
     try:
@@ -71,6 +72,8 @@ def test_the_survivors_of_a_lost_rank_re_form_in_place_and_go_on_training(coordi
         assert all(r.seen("failed")[0]["lost"] == [f"rank-{victim}"] for r in survivors)
         after = [[e for e in r.seen("step") if e["t"] > r.seen("reformed")[0]["t"]] for r in survivors]
         assert all(a and all(e["world"] == 2 for e in a) for a in after), after
+        wrong = [(e["world"], e["n"]) for r in survivors for e in r.seen("step") if not e["grads_ok"]]
+        assert not wrong, f"(world, step) whose gradients were not the world's average: {wrong}"
         by_step = [{e["n"]: e["checksum"] for e in a} for a in after]
         common = sorted(set(by_step[0]) & set(by_step[1]))
         assert common and all(by_step[0][n] == by_step[1][n] for n in common), by_step
