@@ -7,6 +7,7 @@ bf16 is ``torch.autocast`` around the forward (weights, gradients and optimizer 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,13 @@ from elasticrl.train.strategy_base import (
 
 log = logging.getLogger(__name__)
 
+# torch >= 2.13 names it forward_sync_buffers (and deprecates broadcast_buffers); both still sync at init.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
 
 class DDPStrategy:
     def __init__(self, config: StrategyConfig):
@@ -47,10 +55,10 @@ class DDPStrategy:
 
     def regroup(self) -> None:
         """DDP again over the current default group (the world re-formed in place): the same module
-        and optimizer, whose state the caller then loads from a snapshot. The old DDP's gradient
-        hooks come off the parameters first: still alive (a traceback holds it), its reducer would
-        also take every gradient of the new world into its own buckets. And the gradients a failed
-        backward left go, or the next backward would add to them."""
+        and optimizer, whose state the caller then loads from a snapshot. The gradients a failed
+        backward left go first, or the next backward would add to them; and the old DDP's autograd
+        hooks come off the parameters (it may live on in a traceback; its reducer stays idle unless
+        its own forward runs, but nothing of it should remain on the parameters)."""
         if self._ddp is not None:
             self._ddp._remove_autograd_hooks()
         self.optimizer.zero_grad(set_to_none=True)
@@ -61,7 +69,7 @@ class DDPStrategy:
         # rank and never trained; broadcasting them before each forward would be a blocking
         # collective that in-place re-forming (train/reform.py) could not abandon.
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        return DistributedDataParallel(self._model, device_ids=device_ids, broadcast_buffers=False)
+        return DistributedDataParallel(self._model, device_ids=device_ids, **_NO_FORWARD_BUFFER_SYNC)
 
     @property
     def module(self) -> nn.Module:

@@ -192,3 +192,48 @@ def test_a_closed_watch_fails_nothing():
     watch.close()
     client.views.put(view("rank-0"))  # the other rank left at the end of the run
     assert watch.await_loss(0.3) == () and lost == []
+
+
+def test_a_regroup_takes_the_old_ddp_off_the_gradients():
+    """After a re-form, DDP is built again on the new group. The old DDP may live on (a traceback,
+    an autograd graph); its reducer must take none of the new world's gradients, and what a failed
+    backward left in the gradients must not be added to the next one. One process, gloo."""
+    import torch.distributed as dist
+
+    from elasticrl.train.strategy import StrategyConfig, make_strategy
+
+    def group():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    calls = {"old": 0, "new": 0}
+
+    def counting(name):
+        def hook(_state, bucket):
+            calls[name] += 1
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        return hook
+
+    group()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        strategy = make_strategy(StrategyConfig(name="ddp"))
+        strategy.wrap(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        strategy.module.register_comm_hook(None, counting("old"))
+        strategy.module(torch.ones(2, 4)).sum().backward()
+        assert calls == {"old": 1, "new": 0}
+        old = strategy.module  # kept alive
+        model.weight.grad.fill_(123.0)  # what a failed backward left
+        reform.abandon_groups()
+        group()
+        strategy.regroup()
+        assert all(p.grad is None for p in model.parameters())
+        strategy.module.register_comm_hook(None, counting("new"))
+        strategy.module(torch.ones(2, 4)).sum().backward()
+        assert calls == {"old": 1, "new": 1}, calls
+        assert torch.equal(model.weight.grad, torch.ones(4, 4) * 2)  # d(sum(W x + b))/dW, x = ones, batch 2
+        assert old is not strategy.module
+    finally:
+        dist.destroy_process_group()
