@@ -38,8 +38,9 @@ node_id             HOST-PID    member id of this agent; set it to keep a node's
 call_timeout        10          deadline of one coordinator call
 connect_timeout     30          how long an unreachable coordinator is retried before
                                 RendezvousConnectionError
-in_place            false       a lost node does not restart the survivors' workers: they
-                                re-form their world in place (``elasticrl.train.reform``;
+in_place            false       a lost node does not restart the survivors' workers once
+                                they watch their world (they say so in the coordinator's
+                                KV): they re-form it in place (``elasticrl.train.reform``;
                                 DDP on gloo), or exit at once so torchrun restarts them.
                                 Only for ``-m elasticrl.node`` workers
 ==================  ==========  ============================================================

@@ -60,10 +60,11 @@ class RendezvousConfig:
     connect_timeout_s: float = 30.0
     """How long an unreachable coordinator is retried before giving up, seconds."""
     in_place: bool = False
-    """A lost node does not restart the survivors' workers: ``-m elasticrl.node`` workers re-form
-    their world in place (``train/reform.py``), or exit at once where they cannot, so torchrun
-    restarts them. A node that joins still restarts everyone into the larger world. Only for
-    ``elasticrl.node`` workers: other scripts would wait in their collectives instead."""
+    """A lost node does not restart the survivors' workers once they watch their world (rank 0
+    sets ``rendezvous.worker.armed_key``): ``-m elasticrl.node`` workers re-form it in place
+    (``train/reform.py``), or exit at once where they cannot, so torchrun restarts them. A node
+    that joins still restarts everyone into the larger world. Only for ``elasticrl.node``
+    workers: other scripts never say they watch, so their agents restart them as without it."""
 
     def __post_init__(self) -> None:
         if ":" not in self.endpoint or not self.endpoint.rsplit(":", 1)[1].isdigit():

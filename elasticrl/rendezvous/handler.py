@@ -43,7 +43,7 @@ from elasticrl.errors import (
 )
 from elasticrl.rendezvous.config import BACKEND, RendezvousConfig
 from elasticrl.rendezvous.store import CoordinatorStore
-from elasticrl.rendezvous.worker import LEASE_TTL_ENV
+from elasticrl.rendezvous.worker import LEASE_TTL_ENV, ROUND_ENV, armed_key
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class RunViewCache:
                     for kind, member, reason in view.events:
                         if kind in ("evicted", "left"):
                             log.info("run %s: %s %s (%s)", self._run_id, member, kind, reason)
-                    self.view = view
-                    if self._on_view is not None:
+                    if self._on_view is not None:  # first: it may decide how the view is read
                         self._on_view(view)
+                    self.view = view
             except ElasticRLError as exc:
                 if not self._stop.is_set():
                     log.warning("run %s: watch lost (%s); re-subscribing", self._run_id, exc)
@@ -154,6 +154,8 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._closed_here = False
         self._shut_down = False
         self._stood_in: set[tuple[int, str]] = set()
+        self._armed_round = 0  # the last round whose workers said they re-form in place
+        self._left: set[str] = set()  # nodes seen leaving (not lost)
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
@@ -268,6 +270,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                     self._client, cfg.run_id, f"torchrun/round-{res.round}/", timeout_s=cfg.read_timeout_s
                 )
                 self._round = res.round
+                os.environ[ROUND_ENV] = str(res.round)  # for the workers this agent starts now
                 bootstrap = self._bootstrap(res.round, res.rank, res.participants, store)
                 if bootstrap is None:
                     continue  # rank 0 of that round died before publishing; form the next one
@@ -309,9 +312,23 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         this agent's round, since the survivors finish without it. Exactly one survivor does it
         per lost node (a compare-and-set on the round's store); the last check-in opens the barrier."""
         r, round_no = view.round, self._round
-        if round_no == 0 or r.round != round_no:
+        # A node that left did so after torchrun's exit barrier (its run is over); one that is this
+        # node was evicted alive and its agent restarts and rejoins.
+        self._left.update(member for kind, member, _ in view.events if kind == "left")
+        lost = [n for n in r.lost if n not in self._left and n != self.config.node_id]
+        if self._shut_down or round_no == 0 or r.round != round_no or not lost:
             return
-        for node in r.lost:
+        if self._armed_round != round_no:
+            # Before this view is exposed to num_nodes_waiting (RunViewCache calls this first).
+            try:
+                if self._client.kv_get(self.config.run_id, [armed_key(round_no)])[0] is None:
+                    return  # the workers do not watch their world yet: the agents restart them
+            except ElasticRLError as exc:
+                log.warning("run %s: could not read whether round %d re-forms in place (%s); restarting its workers",
+                            self.config.run_id, round_no, exc)
+                return
+            self._armed_round = round_no
+        for node in lost:
             if (round_no, node) in self._stood_in:
                 continue
             store = CoordinatorStore(self._client, self.config.run_id, f"torchrun/round-{round_no}/",
@@ -324,8 +341,8 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                 if store.add(EXIT_BARRIER + "/num_members", 1) == len(r.participants):
                     store.set(EXIT_BARRIER + "/last_member", b"<val_ignored>")
                 self._stood_in.add((round_no, node))
-                log.warning("run %s: node %s lost (in_place: its survivors' workers go on); checked in at the exit "
-                            "barrier of round %d for it", self.config.run_id, node, round_no)
+                log.warning("run %s: node %s is gone from round %d (in_place: the others go on); checked in at the exit "
+                            "barrier of round %d for it", self.config.run_id, node, round_no, round_no)
             except Exception as exc:  # noqa: BLE001 - the agents' exit barrier then times out instead
                 log.warning("run %s: could not check in for lost node %s: %s", self.config.run_id, node, exc)
 
@@ -341,10 +358,12 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         if view is None or self._round == 0 or view.round.round < self._round:
             return 0  # nothing formed yet, or the cache has not seen our own round yet
         r = view.round
-        # in_place: a lost node is its survivors' workers' business (they re-form in place, or
-        # exit so that this agent restarts them); only nodes that join re-form the round.
+        # in_place, once the round's workers watch their world: a lost node is their business (they
+        # re-form in place, or exit so that this agent restarts them); only nodes that join re-form
+        # the round. Before that (a node lost while the workers start), the agents restart them.
+        in_place = self.config.in_place and self._armed_round == self._round
         return policy.nodes_waiting(self._round, r.round, list(r.participants), list(r.waiting), list(r.lost),
-                                    r.max_nodes, count_lost=not self.config.in_place)
+                                    r.max_nodes, count_lost=not in_place)
 
     def get_run_id(self) -> str:
         return self.config.run_id

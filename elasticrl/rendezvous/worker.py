@@ -29,6 +29,13 @@ from elasticrl.config import IN_PLACE_ENV
 log = logging.getLogger(__name__)
 
 LEASE_TTL_ENV = "ELASTICRL_RDZV_LEASE_TTL_S"  # set by the agent's handler, inherited by workers
+ROUND_ENV = "ELASTICRL_RDZV_ROUND"  # the rendezvous round the agent started its workers in
+
+
+def armed_key(round_no: int) -> bytes:
+    """The key (in the agents' run) that says every worker of round ``round_no`` watches its world
+    (in_place): from then on its agents leave a lost node to the workers."""
+    return f"torchrun/round-{round_no}/elasticrl/in-place-armed".encode()
 # Beyond the lease TTL: the coordinator's tick, the watch push and torchrun's monitor interval.
 GRACE_SLACK_S = 2.0
 DEFAULT_GRACE_S = 10.0

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
-from elasticrl.rendezvous.worker import is_peer_failure
+import torch.distributed as dist
+
+from elasticrl.config import RUN_ID_ENV
+from elasticrl.rendezvous.worker import ROUND_ENV, armed_key, is_peer_failure
 from elasticrl.train import reform, stop
 from elasticrl.train.dist import set_waiter
 from elasticrl.train.recovery import Recovery
@@ -36,6 +40,7 @@ class InPlace:
         why_not = reform.supported(t.strategy, t.backend)
         on_loss = None if why_not is None else self._exit_for_restart
         self.watch = reform.WorldWatch(self.client, members_run, self.members, on_loss=on_loss)
+        self._arm()
         if why_not is not None:
             if self.world.rank == 0:
                 log.info("in_place: the world cannot re-form in place (%s); a lost rank restarts the workers", why_not)
@@ -44,6 +49,16 @@ class InPlace:
         self.reformer = reform.Reformer(address=c.address, token=token, tls_ca=c.tls_ca or None, backend=t.backend,
                                         timeout_s=c.barrier_timeout_s, group_timeout_s=c.barrier_timeout_s + 60)
         set_waiter(self.watch.wait)
+
+    def _arm(self) -> None:
+        """*Collective.* Every rank watches its world: rank 0 tells the agents (a key of their round,
+        ``rendezvous.worker.armed_key``), which from then on leave a lost node to the workers."""
+        round_no, run_id = os.environ.get(ROUND_ENV), os.environ.get(RUN_ID_ENV)
+        if not round_no or not run_id:
+            return  # not under the elasticrl rendezvous
+        dist.barrier()
+        if self.world.rank == 0:
+            self.client.kv_set(run_id, {armed_key(int(round_no)): b"1"})
 
     def _exit_for_restart(self, lost: tuple[str, ...]) -> None:
         """The watch thread, where the world cannot re-form in place: exit now (the last snapshot

@@ -120,6 +120,40 @@ def test_eviction_is_reported_within_a_second_and_survivors_reform(handlers):
     assert sorted(i.rank for i in third) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("armed", [False, True], ids=["workers-not-watching", "workers-watching"])
+def test_in_place_leaves_a_lost_node_to_workers_that_watch_their_world(handlers, client, armed):
+    """in_place=true: once the round's workers said they watch their world (the key rank 0 sets,
+    ``rendezvous.worker.armed_key``), a lost node restarts nobody, a joining node still does, and
+    exactly one survivor checks in at torchrun's exit barrier for the lost node. Before that (a node
+    lost while the workers start), the agents restart their workers as without in_place."""
+    from elasticrl.rendezvous.handler import EXIT_BARRIER
+    from elasticrl.rendezvous.store import CoordinatorStore
+    from elasticrl.rendezvous.worker import armed_key
+
+    a, b, c = (handlers(n, in_place="true") for n in "abc")
+    rendezvous_all(a, b, c)
+    if armed:
+        client.kv_set("rdzv", {armed_key(a.round): b"1"})
+    c.member.stop()  # c goes silent
+    if not armed:
+        wait_until(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, TTL_S + 3, message="eviction seen")
+        return
+    store = CoordinatorStore(client, "rdzv", f"torchrun/round-{a.round}/", timeout_s=5)
+    wait_until(lambda: store.check([EXIT_BARRIER + "/num_members"]), TTL_S + 3, message="a stand-in for c")
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+    assert store.add(EXIT_BARRIER + "/num_members", 0) == 1  # once, by a or b
+    assert store.get("elasticrl/exit-stand-in/c") in (b"a", b"b")
+    # a and b finish: with c's stand-in their exit barrier completes
+    assert store.add(EXIT_BARRIER + "/num_members", 1) == 2
+    assert store.add(EXIT_BARRIER + "/num_members", 1) == 3
+    d = handlers("d", in_place="true")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(d.next_rendezvous)
+        wait_until(lambda: a.num_nodes_waiting() > 0, 10, message="the newcomer seen")  # c's place is room
+        rendezvous_all(a, b)
+        joining.result(timeout=30)
+
+
 def test_leave_is_reported_at_once_and_does_not_close_the_run(handlers, client):
     a, b = handlers("a"), handlers("b")
     rendezvous_all(a, b)
