@@ -328,12 +328,12 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                             self.config.run_id, round_no, exc)
                 return
             self._armed_round = round_no
+        store = CoordinatorStore(self._client, self.config.run_id, f"torchrun/round-{round_no}/",
+                                 timeout_s=self.config.read_timeout_s)
+        mine = self.config.node_id.encode()
         for node in lost:
             if (round_no, node) in self._stood_in:
                 continue
-            store = CoordinatorStore(self._client, self.config.run_id, f"torchrun/round-{round_no}/",
-                                     timeout_s=self.config.read_timeout_s)
-            mine = self.config.node_id.encode()
             try:
                 if store.compare_set(f"elasticrl/exit-stand-in/{node}", b"", mine) != mine:
                     self._stood_in.add((round_no, node))

@@ -16,7 +16,7 @@ import time
 
 import torch.distributed as dist
 
-from elasticrl.config import RUN_ID_ENV
+from elasticrl.config import RUN_ID_ENV, in_place_unsupported
 from elasticrl.rendezvous.worker import ROUND_ENV, armed_key, is_peer_failure
 from elasticrl.train import reform, stop
 from elasticrl.train.dist import set_waiter
@@ -37,7 +37,7 @@ class InPlace:
         if not reform.enabled():
             return
         t = self.cfg.trainer
-        why_not = reform.supported(t.strategy, t.backend)
+        why_not = in_place_unsupported(t.strategy, t.backend)
         on_loss = None if why_not is None else self._exit_for_restart
         self.watch = reform.WorldWatch(self.client, members_run, self.members, on_loss=on_loss)
         self._arm()

@@ -43,9 +43,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from elasticrl.config import IN_PLACE_ENV, in_place_unsupported
+from elasticrl.config import IN_PLACE_ENV
 from elasticrl.coordinator.client import CoordinatorClient, Membership
 from elasticrl.errors import ElasticRLError
+from elasticrl.train import stop
 from elasticrl.train.dist import WorldInfo
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,6 @@ class WorldChangedError(ElasticRLError, dist.DistError):
 def enabled(environ=os.environ) -> bool:
     """Whether the agent asked its workers to re-form in place (``--rdzv-conf in_place=true``)."""
     return environ.get(IN_PLACE_ENV) == "1"
-
-
-def supported(strategy: str, backend: str) -> str | None:
-    """None where a world can re-form in place, else why not."""
-    return in_place_unsupported(strategy, backend)
 
 
 def rank_of(member: str) -> int:
@@ -85,36 +81,30 @@ class WorldWatch:
 
     def __init__(self, client: CoordinatorClient, run_id: str, members: Iterable[str], *,
                  on_loss: Callable[[tuple[str, ...]], None] | None = None):
-        self._client = client
-        self._run_id = run_id
+        from elasticrl.rendezvous.handler import RunViewCache
+
         self._cond = threading.Condition()
         self._members = frozenset(members)
         self._live: frozenset[str] | None = None  # the members of the last view
         self._pending: set[torch.futures.Future] = set()
         self._on_loss = on_loss
         self.lost: tuple[str, ...] = ()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="elasticrl-world-watch", daemon=True)
-        self._thread.start()
+        self._closed = False
+        # Its thread re-subscribes after a coordinator outage (meanwhile the collectives' own
+        # timeouts are left) and calls _view with every view.
+        self._views = RunViewCache(client, run_id, self._view)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                for view in self._client.watch(self._run_id, stop=self._stop):
-                    with self._cond:
-                        self._live = frozenset(view.members)
-                        lost = self._losing()
-                    if lost:
-                        self._lose(lost)
-            except ElasticRLError as exc:
-                if not self._stop.is_set():  # meanwhile the collectives' own timeouts are left
-                    log.warning("world watch of %s lost (%s); re-subscribing", self._run_id, exc)
-            self._stop.wait(0.5)
+    def _view(self, view) -> None:
+        with self._cond:
+            self._live = frozenset(view.members)
+            lost = self._losing()
+        if lost:
+            self._lose(lost)
 
     def _losing(self) -> tuple[str, ...]:
         """Under the lock: the members of the current world that the last view lacks, recorded as
         lost if they are the first loss of this world (else ())."""
-        if self.lost or self._stop.is_set() or self._live is None:
+        if self.lost or self._closed or self._live is None:
             return ()
         self.lost = tuple(sorted(self._members - self._live))
         if self.lost:
@@ -193,8 +183,9 @@ class WorldWatch:
         return out
 
     def close(self) -> None:
-        self._stop.set()
+        self._views.stop()
         with self._cond:
+            self._closed = True
             self._on_loss = None
 
 
@@ -254,15 +245,8 @@ def exit_if_abandoned(code: int) -> None:
     """End the process now (output flushed) if it left a process group behind: the interpreter's
     exit would destroy it, and a gloo group destroyed while a thread still waits in it aborts the
     process (``std::terminate``), turning a finished run into a failed worker."""
-    if not _abandoned:
-        return
-    import sys
-
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if _abandoned:
+        stop.exit_now(code, flush_s=0.0)  # the snapshot flush is unregistered by then
 
 
 @dataclasses.dataclass(kw_only=True)

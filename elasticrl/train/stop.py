@@ -68,4 +68,6 @@ def exit_now(code: int, flush_s: float = 60.0) -> None:
             log.warning("flush before exit failed: %s", exc)
     for handler in logging.getLogger().handlers:
         handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)

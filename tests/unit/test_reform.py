@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elasticrl.config import IN_PLACE_ENV
+from elasticrl.config import IN_PLACE_ENV, in_place_unsupported
 from elasticrl.coordinator.client import RoundView, RunView
 from elasticrl.rendezvous.config import RendezvousConfig
 from elasticrl.rendezvous.handler import export_to_workers
@@ -40,9 +40,9 @@ def test_a_bad_in_place_value_names_the_key():
 
 
 def test_only_ddp_on_gloo_re_forms_in_place():
-    assert reform.supported("ddp", "gloo") is None
-    assert "only ddp" in reform.supported("deepspeed", "gloo")
-    assert "nccl" in reform.supported("ddp", "nccl")
+    assert in_place_unsupported("ddp", "gloo") is None
+    assert "only ddp" in in_place_unsupported("deepspeed", "gloo")
+    assert "nccl" in in_place_unsupported("ddp", "nccl")
 
 
 def test_survivors_keep_their_order_and_nodes_are_numbered_by_their_first_rank():
