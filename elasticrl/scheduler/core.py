@@ -34,8 +34,7 @@ from elasticrl.errors import (
     NotReadyError,
     RunClosedError,
 )
-from elasticrl.scheduler import accounting, policy, recovery
-from elasticrl.scheduler.persist import SchedulerDB
+from elasticrl.scheduler import accounting, persist, policy, recovery
 from elasticrl.scheduler.results import ResultBook
 from elasticrl.scheduler.state import (
     MAX_ERRORS,
@@ -88,7 +87,7 @@ class SchedulerCore(ResultBook):
         self.coord = coord
         self.clock = coord.clock
         self.metrics = coord.metrics  # one registry per coordinator process
-        self.db = SchedulerDB(coord.db)
+        self.db = persist.open_db(coord.db)
         self.store = store
         self.iterations: dict[str, dict[int, Iteration]] = collections.defaultdict(dict)
         self.conns: dict[str, dict[str, WorkerConn]] = collections.defaultdict(dict)

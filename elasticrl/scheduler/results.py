@@ -5,10 +5,11 @@ its shards are written, then it is committed and acknowledged.
 iterations, store, database and dispatch): ``decide`` (on arrival, nothing durable), ``write``
 (the shard files, no shared state), ``commit`` (one SQLite transaction for the batch, then memory)
 and ``abandon`` (the shards could not be written). ``ResultPipeline`` runs them for the Work
-streams: with a durable store the write goes to a worker thread, so the event loop reads the next
-batch (and serves every other stream) while the kernel copies this one, and the worker gets new
-tasks on arrival instead of after the write; each stream's batches commit and are acknowledged in
-the order they arrived (a worker drops its oldest unacknowledged batch per ack).
+streams: the worker gets new tasks on arrival, before the write; with a durable store a big
+batch's write (or any write, with fsync or a slow disk) goes to a worker thread, so the event loop
+reads the next batch (and serves every other stream) while the kernel copies this one, and a small
+one is written on the loop (cheaper than the hand-off); each stream's batches commit and are
+acknowledged in the order they arrived (a worker drops its oldest unacknowledged batch per ack).
 
 Invariants (those of ``core``, kept across the split):
   * an ack goes out only after its batch's commit, and a re-sent batch (same batch id) is answered
@@ -28,6 +29,8 @@ import concurrent.futures
 import errno
 import itertools
 import logging
+import math
+import time
 
 from elasticrl.errors import CoordinatorUnavailableError, FencedError, InternalError
 from elasticrl.scheduler import accounting, policy
@@ -45,8 +48,16 @@ STORE_TIMEOUT_S = 60.0
 # Threads writing shard files. One keeps the writes in order and off the event loop; more only
 # made the kernel's page-cache allocations contend on the 2-core development VM.
 WRITE_THREADS = 1
-# Batches with at least this many bytes of samples have their shard written in that thread.
-THREADED_WRITE_BYTES = 256 << 10
+# Batches with at least this many bytes of samples have their shard written in that thread. A
+# smaller one is written on the event loop: overwriting a recycled shard file (recycle.py) costs
+# ~0.15 ms per MiB, less than the hand-off to the thread and back (in bench/scheduler.py's durable
+# stream the coordinator's CPU per GB fell from 2.2-2.8 s to 2.0-2.2 s with 1 MiB batches inline).
+THREADED_WRITE_BYTES = 4 << 20
+# ...unless the store fsyncs, or an inline write took longer than this within the last
+# SLOW_WRITE_HOLD_S (a slow or throttled disk): then every write goes to the thread, so that the
+# event loop (every stream, barrier and lease) does not wait for the disk.
+SLOW_WRITE_S = 0.005
+SLOW_WRITE_HOLD_S = 10.0
 
 
 class ResultBook:
@@ -264,6 +275,7 @@ class ResultPipeline:
         self.write_threads = write_threads
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._threaded_until = -math.inf  # perf_counter: a slow inline write sends writes to the thread
 
     async def submit(self, conn: WorkerConn, groups: list[tuple[int, Group]], batch_id: str,
                      invalid: list[tuple[int, str, str]] = ()) -> None:
@@ -285,11 +297,7 @@ class ResultPipeline:
         book = self.book
         d = book.decide(conn, groups, batch_id)
         d.invalid = list(invalid)
-        # A big batch's shard goes to the writer thread; a small one is written on the loop: its
-        # file is a few syscalls, fewer than the hand-off (round trips of empty tasks took twice
-        # as long through the thread).
-        size = sum(g.num_bytes for _, _, shard_groups in d.writes for g, _ in shard_groups)
-        threaded = book.store.root is not None and bool(d.writes) and size >= self.threaded_write_bytes
+        threaded = self._threaded(d)
         if not conn.pending and not threaded and d.follows is None:
             if conn.outbox.empty():
                 self._commit_now(d)
@@ -315,11 +323,35 @@ class ResultPipeline:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _threaded(self, d: Decided) -> bool:
+        """Whether ``d``'s shard goes to the writer thread: a big batch, an fsync, or a disk that was
+        slow of late. Otherwise it is written on the loop: a few syscalls, fewer than the hand-off
+        (round trips of empty tasks took twice as long through the thread)."""
+        store = self.book.store
+        if store.root is None or not d.writes:
+            return False
+        if store.fsync or time.perf_counter() < self._threaded_until:
+            return True
+        return sum(g.num_bytes for _, _, shard_groups in d.writes for g, _ in shard_groups) >= self.threaded_write_bytes
+
+    def _write_inline(self, d: Decided) -> None:
+        """``book.write(d)`` on the event loop, timed (see ``SLOW_WRITE_S``)."""
+        started = time.perf_counter()
+        try:
+            self.book.write(d)
+        finally:
+            now = time.perf_counter()
+            if d.writes and now - started > SLOW_WRITE_S:
+                if now >= self._threaded_until:
+                    log.info("a shard write took %.1f ms on the event loop; writing shards in a thread for %gs",
+                             (now - started) * 1000, SLOW_WRITE_HOLD_S)
+                self._threaded_until = now + SLOW_WRITE_HOLD_S
+
     def _commit_now(self, d: Decided) -> None:
         """Write (the in-memory store's dict, or a small shard), commit and answer ``d`` on this step."""
         book = self.book
         try:
-            book.write(d)
+            self._write_inline(d)
         except OSError as exc:
             book.abandon(d, f"store failed: {exc}")
             _answer(d, None, book.store_failed(d, exc))
@@ -334,7 +366,7 @@ class ResultPipeline:
                     self._writer = concurrent.futures.ThreadPoolExecutor(self.write_threads, thread_name_prefix="shard-write")
                 await self._deadline(asyncio.get_running_loop().run_in_executor(self._writer, book.write, d))
             else:
-                book.write(d)
+                self._write_inline(d)
             for before in (ahead, d.follows.done if d.follows is not None else None):
                 if before is not None:  # each finishes within its own deadlines
                     await self._deadline(asyncio.shield(before))

@@ -56,6 +56,8 @@ import numpy as np
 from safetensors.numpy import load as st_load
 
 from elasticrl.scheduler import framing
+from elasticrl.scheduler.recycle import DIRECTORY as RECYCLE_DIRECTORY
+from elasticrl.scheduler.recycle import Recycler
 from elasticrl.scheduler.state import GroupRecord, SampleRecord
 
 FORMAT = "elasticrl.trajectories.v3"
@@ -72,8 +74,10 @@ class TrajectoryStore:
         self.fsync = fsync
         self._memory: dict[tuple[str, int, str], list[tuple[Group, list[int]]]] = {}
         self._next: dict[tuple[str, int], int] = {}
-        self._reaper: concurrent.futures.ThreadPoolExecutor | None = None  # deletes dropped shards
+        self._reaper: concurrent.futures.ThreadPoolExecutor | None = None  # retires dropped shards
         self._reaping: list[concurrent.futures.Future] = []
+        # Dropped shards, overwritten by new ones (creating and deleting files cost more).
+        self.recycler = None if self.root is None else Recycler(self.root)
 
     def iteration_dir(self, run_id: str, iteration: int) -> pathlib.Path:
         assert self.root is not None, "in-memory store has no directories"
@@ -107,7 +111,7 @@ class TrajectoryStore:
             return
         directory = self.iteration_dir(run_id, iteration)
         _make_dirs(directory, fsync=self.fsync)
-        atomic_write(directory / name, shard_chunks(run_id, iteration, groups), fsync=self.fsync)
+        atomic_write(directory / name, shard_chunks(run_id, iteration, groups), fsync=self.fsync, reuse=self.recycler.take())
 
     def discard(self, run_id: str, iteration: int, name: str) -> None:
         """Remove shard ``name`` (written, or being written, for a batch that will not be committed)
@@ -129,10 +133,11 @@ class TrajectoryStore:
     def drop(self, run_id: str, iteration: int) -> None:
         """Delete an iteration's shards (retention); its manifest stays, for the record.
 
-        The files are unlinked by a background thread: unlinking an iteration's hundred 1 MiB
-        shards took 20-35 ms here, a stall of the event loop (every stream, every barrier) at each
-        seal. Nothing refers to them any more (SQLite and memory forgot the iteration first); a
-        process that ends before they are gone leaves them to ``remove_dropped`` at its next start.
+        A background thread retires the files (``recycle.Recycler``: kept to be overwritten by new
+        shards, or unlinked): unlinking an iteration's hundred 1 MiB shards took 20-35 ms here, a
+        stall of the event loop (every stream, every barrier) at each seal. Nothing refers to them
+        any more (SQLite and memory forgot the iteration first); a process that ends before they
+        are gone leaves them to ``remove_dropped`` at its next start.
         """
         self._next.pop((run_id, iteration), None)
         if self.root is None:
@@ -148,10 +153,10 @@ class TrajectoryStore:
         if self._reaper is None:
             self._reaper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-delete")
         self._reaping = [f for f in self._reaping if not f.done()]
-        self._reaping.append(self._reaper.submit(_unlink_all, paths))
+        self._reaping.append(self._reaper.submit(self.recycler.retire, paths))
 
     def settle(self, timeout_s: float = 30.0) -> None:
-        """Wait until the shards dropped so far are deleted.
+        """Wait until the shards dropped so far are retired.
 
         Raises:
             TimeoutError: they were not, within ``timeout_s``.
@@ -169,7 +174,7 @@ class TrajectoryStore:
             return []
         gone = []
         for run_dir in self.root.iterdir():
-            if not run_dir.is_dir():
+            if not run_dir.is_dir() or run_dir.name == RECYCLE_DIRECTORY:
                 continue
             for directory in run_dir.iterdir():
                 name = directory.name
@@ -230,13 +235,25 @@ def _unlink_all(paths: list[pathlib.Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def atomic_write(path: pathlib.Path, data: bytes | memoryview | list, *, fsync: bool) -> None:
+def atomic_write(path: pathlib.Path, data: bytes | memoryview | list, *, fsync: bool, reuse: pathlib.Path | None = None) -> None:
     """Write ``data`` (bytes, or a list of buffers) to ``path`` under a temporary name, then rename
-    it (the weight store uses it too)."""
+    it (the weight store uses it too). ``reuse``: a file of no further use (``Recycler.take``) to
+    rename and overwrite instead of creating one; if it cannot be, a new file is created."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = None
+    if reuse is not None:
+        try:
+            os.rename(reuse, tmp)
+            fd = os.open(tmp, os.O_WRONLY)
+        except OSError:
+            pass
+    reused = fd is not None
+    if fd is None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, data if isinstance(data, list) else [data])
+        size = _write_all(fd, data if isinstance(data, list) else [data])
+        if reused:  # the old content may run past the new
+            os.ftruncate(fd, size)
         if fsync:
             os.fsync(fd)
     finally:
@@ -246,11 +263,12 @@ def atomic_write(path: pathlib.Path, data: bytes | memoryview | list, *, fsync: 
         fsync_dir(path.parent)
 
 
-def _write_all(fd: int, buffers: list) -> None:
-    """``buffers`` one after the other, in as few ``writev`` calls as the kernel allows: a shard is a
+def _write_all(fd: int, buffers: list) -> int:
+    """``buffers`` one after the other (returns how many bytes), in as few ``writev`` calls as the kernel allows: a shard is a
     header plus its groups' received bytes, and one call per buffer through a buffered file (the
     format before v3 had ~100 per MiB) cost several times the copy itself here."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
     first = 0
     while first < len(views):
         n = os.writev(fd, views[first:first + _IOV_MAX])
@@ -262,6 +280,7 @@ def _write_all(fd: int, buffers: list) -> None:
             else:
                 views[first] = views[first][n:]
                 n = 0
+    return total
 
 
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024

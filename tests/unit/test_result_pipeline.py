@@ -328,10 +328,58 @@ def test_a_small_batch_is_stored_on_arrival_and_a_big_one_in_the_writer_thread(t
     async def scenario():
         await pipe.submit(w, [(1, group(t0))], "small")  # 2 samples x 3 tokens
         assert not w.pending and [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1]
-        await pipe.submit(w, [(1, group(t1, tokens=20_000))], "big")  # 320 KB of samples
+        await pipe.submit(w, [(1, group(t1, tokens=300_000))], "big")  # 4.8 MB of samples
         assert len(w.pending) == 1
         await until(lambda: not w.pending, "the threaded write")
         assert [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1]
 
     run(scenario)
     assert writers[0] == threading.current_thread().name and writers[1].startswith("shard-write"), writers
+
+
+def test_after_a_slow_inline_write_every_write_goes_to_the_thread_for_a_while(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    w = h.worker("a", slots=3)
+    t0, t1, t2 = assigned(drain(w))
+    pipe = ResultPipeline(h.sched)
+    writers: list[str] = []
+    real = h.sched.write
+
+    def write(d):  # a disk that takes 20 ms per shard
+        writers.append(threading.current_thread().name)
+        time.sleep(0.02)
+        real(d)
+
+    h.sched.write = write
+
+    async def scenario():
+        await pipe.submit(w, [(1, group(t0))], "first")  # small: on the loop, and found slow
+        assert not w.pending
+        await pipe.submit(w, [(1, group(t1))], "second")  # small too, but the disk is slow
+        assert len(w.pending) == 1
+        await until(lambda: not w.pending, "the threaded write")
+        pipe._threaded_until = 0.0  # the slow spell is over
+        await pipe.submit(w, [(1, group(t2))], "third")
+        assert not w.pending and [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1, 1, 1]
+
+    run(scenario)
+    assert writers[0] == writers[2] == threading.current_thread().name and writers[1].startswith("shard-write"), writers
+    assert h.it().count(TaskStatus.DONE) == 3
+
+
+def test_with_fsync_every_shard_is_written_in_the_thread(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    h.store.fsync = True
+    h.sched.submit(RUN, 1, specs(1), IterationConfig())
+    w = h.worker("a", slots=1)
+    (t0,) = assigned(drain(w))
+    pipe = ResultPipeline(h.sched)
+
+    async def scenario():
+        await pipe.submit(w, [(1, group(t0))], "small")
+        assert len(w.pending) == 1  # not committed on arrival: the write is in the thread
+        await until(lambda: not w.pending, "the threaded write")
+        assert [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1]
+
+    run(scenario)
