@@ -1,5 +1,6 @@
 """A rollout worker process for ``bench/scheduler.py``: a real ``RolloutWorker`` whose engine
-sleeps ``--task-s`` per task and returns one cached payload, and which times every task.
+takes the tasks of each assignment message together (``generate_batch``, as a node's engine does),
+sleeps ``--task-s`` and returns one cached payload per task, and which times every task.
 
     python bench/scheduler_worker.py --coordinator HOST:PORT --run RUN --member w0 \
         --task-s 0 --slots 8 --tokens 16 --ready FILE --report FILE
@@ -113,17 +114,21 @@ def main(argv: list[str] | None = None) -> int:
             cache[n] = [SampleRecord(ids, lps, reward=float(j % 2), finish_reason="length") for j in range(n)]
         return cache[n]
 
-    def generate(a: Assignment) -> GroupRecord:
+    def generate_batch(batch: list[Assignment]) -> list[GroupRecord]:
+        # The tasks of one assignment message at once, as a node's engine takes them
+        # (train/rollout_link.py): one hand-off to the engine thread per message, not per task.
+        started = time.monotonic()
         with worker.started_lock:
-            worker.started[(a.iteration, a.task.task_id)] = time.monotonic()
+            for a in batch:
+                worker.started[(a.iteration, a.task.task_id)] = started
         if args.task_s > 0:
-            end = time.monotonic() + args.task_s
-            while (left := end - time.monotonic()) > 0 and not a.cancelled.is_set():
+            end = started + args.task_s
+            while (left := end - time.monotonic()) > 0 and not all(a.cancelled.is_set() for a in batch):
                 time.sleep(min(0.01, left))
-        return GroupRecord(a.task.task_id, args.member, 0, args.task_s, 0.0, samples(a.task.num_samples))
+        return [GroupRecord(a.task.task_id, args.member, 0, args.task_s, 0.0, samples(a.task.num_samples)) for a in batch]
 
     worker = TimedWorker(
-        args.coordinator, args.run, args.member, generate, slots=args.slots, weight=args.weight,
+        args.coordinator, args.run, args.member, None, generate_batch=generate_batch, slots=args.slots, weight=args.weight,
         batch_bytes=args.batch_bytes, linger_s=args.linger_s, reconnect_timeout_s=30.0,
     )
 

@@ -369,10 +369,12 @@ class RolloutWorker:
             self.stats.completed += 1
             self._pending.append((a.iteration, group))
             self._pending_bytes += group.num_bytes
+            if self._pending_bytes >= self.batch_bytes:  # a full batch goes now, not after the rest of this one's
+                self._flush()
         # Linger only while another running task may still join the batch: with every task done,
         # waiting just delays the result and, since a slot frees only when the coordinator has the
         # result, the next assignment too.
-        if self._pending_bytes >= self.batch_bytes or not self._running:
+        if not self._running:
             self._flush()
         elif self._pending and self._flush_timer is None:
             self._flush_timer = loop.call_later(self.linger_s, self._flush)
