@@ -7,7 +7,10 @@ its run lookups, fencing and membership paths (``_run``, ``_fence``, ``_mark_gon
 
 Arrivals come in groups: a batched Session message carries the arrivals of every member a process
 hosts, and ``arrive_many`` records them all in one transaction (one SQLite commit per message
-instead of one per member) before memory changes, then decides each touched barrier once. A
+instead of one per member) before memory changes, then decides each touched barrier once. The
+servicers call ``arrive_together``: a durable coordinator records every call made in one turn of
+the event loop in one transaction (group commit), so the messages of many streams read in that
+turn, one member's each on the stream-per-member transport, cost one commit, not one each. A
 decided barrier wakes its waiters through ``signals``: futures for the unary ``Arrive`` and one
 callback per waiting Session stream (``listen``), so a release costs O(streams), not a task per
 member.
@@ -15,6 +18,7 @@ member.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -63,6 +67,8 @@ class BarrierOps:
     # Per open barrier, a superset of the expected members that are live and have not arrived
     # (built on first use, shrunk per arrival): lets an arrival skip the O(N) decision.
     _not_arrived: dict[tuple[str, str], set[str]]
+    # Calls of arrive_together waiting for this turn of the event loop to end: (arrivals, future).
+    _together: list[tuple[list[Arrival], asyncio.Future]]
 
     async def arrive(
         self,
@@ -81,13 +87,42 @@ class BarrierOps:
         Returns None when the wait ran out first; arriving again keeps the same place.
         """
         arrival = Arrival(run_id, member_id, incarnation, name, epoch, timeout_s, policy_)
-        result = self.arrive_many([arrival])[0]
+        (result,) = await self.arrive_together([arrival])
         if isinstance(result, Exception):
             raise result
         if result is not None:
             return result
         await self._barrier_signals.wait((run_id, name), wait_s if wait_s > 0 else None)
         return self.arrival_result(arrival)
+
+    async def arrive_together(self, arrivals: list[Arrival]) -> list[BarrierResult | None | Exception]:
+        """``arrive_many(arrivals)``, in one transaction with every other call made in this turn of
+        the event loop (group commit). The commit, and so every answer, comes at the end of the
+        turn: a durable coordinator pays one commit for all the streams it read in it. A memory-only
+        one writes no arrival rows, so it records them at once."""
+        if not self.db.durable:
+            return self.arrive_many(arrivals)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._together:
+            loop.call_soon(self._arrive_queued)
+        self._together.append((arrivals, future))
+        return await future
+
+    def _arrive_queued(self) -> None:
+        calls, self._together = self._together, []
+        try:
+            results = self.arrive_many([a for arrivals, _ in calls for a in arrivals])
+        except Exception as exc:  # noqa: BLE001 - a bug, not one arrival's refusal: every call gets it
+            for _, future in calls:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        at = 0
+        for arrivals, future in calls:  # a cancelled caller's arrivals stay recorded, as a lost answer's would
+            if not future.done():
+                future.set_result(results[at:at + len(arrivals)])
+            at += len(arrivals)
 
     def arrival_result(self, arrival: Arrival) -> BarrierResult | None:
         """The decided result for a waiting ``arrival`` (None: not yet). Raises ``FencedError``

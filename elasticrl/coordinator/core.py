@@ -133,6 +133,7 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
         # Wake-ups of waiting arrivals (by (run, barrier)), KV waits and round joins (by run).
         self._barrier_signals = Signals()
         self._not_arrived: dict[tuple[str, str], set[str]] = {}
+        self._together: list = []  # arrive_together's calls of this turn of the event loop
         self._kv_signals = Signals()
         self._round_signals = Signals()
         self._watchers: dict[str, set[Watcher]] = {}

@@ -2,7 +2,8 @@
 arrivals of one member, or of every member a process hosts (``SessionBatch``).
 
 Keep-alives are answered inline. A message's arrivals are recorded together
-(``CoordinatorCore.arrive_many``: one SQLite transaction per message, not per member); those whose
+(``CoordinatorCore.arrive_together``: one SQLite transaction for every message read in one turn
+of the event loop, not one per member); those whose
 barrier is still open wait in this stream's ``StreamArrivals``, which listens once per barrier,
 so a barrier's release puts one item on the stream (every id it answers, and the decided answer
 serialized once) instead of waking a task per member. Every response goes through ``out``, whose
@@ -133,7 +134,7 @@ class StreamArrivals:
                 await self.out.put(self._error(request_id, exc))
         if not arrivals:
             return
-        results = self.core.arrive_many([a for _, a, _ in arrivals])
+        results = await self.core.arrive_together([a for _, a, _ in arrivals])
         released: dict[bytes, list[int]] = {}
         errors = []
         now = asyncio.get_running_loop().time()

@@ -216,3 +216,48 @@ def test_a_memory_only_coordinator_decides_barriers_without_barrier_rows(clock):
     assert rows("barriers") == rows("arrivals") == 0
     statuses = dict(core.db.connection.execute("SELECT member_id, status FROM members"))
     assert statuses["b"] == statuses["c"] != statuses["a"]
+
+
+def test_arrivals_of_many_streams_in_one_turn_of_the_loop_commit_once(core):
+    members = [core.join("r", f"m{i}")[0] for i in range(6)]
+    sql = _commits(core)
+
+    async def arrive_from_six_streams():
+        return await asyncio.gather(*(
+            core.arrive_together([Arrival("r", m.member_id, m.incarnation, "b", timeout_s=10)]) for m in members
+        ))
+
+    answers = asyncio.run(asyncio.wait_for(arrive_from_six_streams(), 5))
+    # one transaction for the six streams' arrivals, one for the decision (was seven and one)
+    assert sum(s == "COMMIT" for s in sql) == 2
+    assert sum(s.startswith("INSERT OR REPLACE INTO arrivals") for s in sql) == 6
+    assert all(len(a) == 1 and a[0].outcome is Outcome.COMPLETED for a in answers)
+    assert answers[0][0].arrived == sorted(m.member_id for m in members)
+
+
+def test_a_refused_arrival_in_a_group_commit_fails_only_its_own_call(core):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+
+    async def arrive():
+        return await asyncio.gather(
+            core.arrive_together([Arrival("r", "a", a.incarnation, "b", timeout_s=10)]),
+            core.arrive_together([Arrival("r", "b", b.incarnation + 1, "b", timeout_s=10)]),  # not its live incarnation
+            core.arrive_together([Arrival("r", "b", b.incarnation, "b", timeout_s=10)]),
+        )
+
+    first, stale, last = asyncio.run(asyncio.wait_for(arrive(), 5))
+    assert isinstance(stale[0], FencedError)
+    assert first[0] is last[0] and first[0].outcome is Outcome.COMPLETED and first[0].arrived == ["a", "b"]
+
+
+def test_in_memory_arrive_together_records_at_once():
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=5.0, clock=Clock())
+    a, _ = core.join("r", "a")
+
+    async def arrive():
+        call = core.arrive_together([Arrival("r", "a", a.incarnation, "b", timeout_s=10)])
+        return await call
+
+    (result,) = asyncio.run(asyncio.wait_for(arrive(), 5))
+    assert result.outcome is Outcome.COMPLETED
