@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the least allowed) every seal from the third iteration on deletes an old iteration's shards, as in a long "
                    "run, so the measured iterations write into recycled page cache; the coordinator's default, 8, never drops "
                    "one within a bench run (default: %(default)s)")
+    g.add_argument("--raw-malloc", choices=("tuned", "default"), default="tuned", help="the raw sink's allocator: tuned as the "
+                   "coordinator's process tunes it (coordinator/malloc.py), or glibc's defaults (the baseline before that tuning) (default: %(default)s)")
     g.add_argument("--stream-repeats", type=int, default=5, help="measured iterations (and raw streams) per mode, after the warm-up; the median is reported (default: %(default)s)")
     g.add_argument("--stream-warmup", type=int, default=3, help="unmeasured iterations (and raw streams) per mode first: 3 is until a "
                    "coordinator frees an old iteration's trajectories at each seal (it keeps the newest 2), as it does for the rest of a "
@@ -178,8 +180,9 @@ class RawStream:
         self.rows: list[dict] = []
         self.sender: subprocess.Popen | None = None
         with open(self.log_path, "ab") as f:
+            env = {**child_env(), "ELASTICRL_MALLOC_TUNE": "1" if a.raw_malloc == "tuned" else "0"}
             self.sink = subprocess.Popen([sys.executable, str(RAW), "serve", "--port-file", str(d / "port")],
-                                         stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
+                                         stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         try:
             port = wait_for_port(self.sink, d / "port", timeout_s=a.timeout_s, log_path=self.log_path)
             cmd = [sys.executable, str(RAW), "send", "--address", f"127.0.0.1:{port}", "--groups", str(a.stream_groups),
@@ -444,7 +447,9 @@ def render(doc: dict) -> str:
                     f"batches of {a['stream_batch_bytes'] / 1024:g} KiB; median of {a['stream_repeats']} after {a['stream_warmup']} unmeasured.",
                 "MB/s = sample payload (1e6 B) / (first batch sent -> seal seen by the driver); raw: first send -> last ack.",
                 "raw = the same serialized WorkRequest messages to a generic grpc.aio handler with identity (de)serializers: "
-                "nothing parsed, nothing stored, no slots bounding what is in flight (an upper bound).",
+                "nothing parsed, nothing stored, no slots bounding what is in flight (an upper bound); its allocator "
+                + ("tuned as the coordinator's (coordinator/malloc.py)." if a.get("raw_malloc", "tuned") == "tuned"
+                   else "at glibc's defaults (--raw-malloc default), the coordinator's tuned."),
                 f"coordinators keep {a['stream_keep_iterations']} sealed iterations (--keep-iterations), so each seal frees an old one's "
                 "memory and shard files once warm.",
                 "cpu s/GB: CPU seconds per GB streamed of the receiving server (coordinator / raw sink) and of the sender (worker / raw sender); "

@@ -10,7 +10,8 @@ are the identity, so each request arrives as the bytes sent; it answers every me
 small ack, as the Work stream answers every ResultBatch. The coordinator's Work stream takes its
 requests as bytes too (a registered method without a deserializer; it reads result batches in
 place), so both receive the same way. Both ends use the coordinator's own server and channel
-options (``server_options``, ``wire.open_channel``), so the message size limits are the same.
+options (``server_options``, ``wire.open_channel``), so the message size limits are the same,
+and the sink's process tunes glibc's allocator as the coordinator's does (``coordinator/malloc.py``).
 The sender builds one serialized ``WorkRequest(results=ResultBatch(...))`` exactly as
 ``RolloutWorker`` does (``framing.result_batch_request``, with a batch id of the same length),
 sends a copy of it ``ceil(groups / batch_groups)`` times on one stream without waiting for acks
@@ -41,7 +42,10 @@ ACK = b"\x08\x04"  # about the size of a ResultAck with accepted=4
 
 
 async def serve(port_file: str) -> None:
+    from elasticrl.coordinator import malloc
     from elasticrl.coordinator.server import MAX_MESSAGE_BYTES, server_options
+
+    malloc.tune()  # as the coordinator's process does
 
     async def stream(requests, context):
         async for request in requests:  # bytes: the identity deserializer

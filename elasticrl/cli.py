@@ -166,6 +166,7 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
+    from elasticrl.coordinator import malloc
     from elasticrl.coordinator.server import CoordinatorConfig, serve
 
     try:
@@ -192,6 +193,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             keep_request_ids=args.keep_request_ids,
             max_runs=args.max_runs,
         )
+        malloc.tune()
         asyncio.run(serve(config))
     except (ValueError, OSError) as exc:
         print(f"elasticrl coordinator: {exc}", file=sys.stderr)
