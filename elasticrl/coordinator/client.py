@@ -13,7 +13,6 @@ middle of a barrier only costs one retried, idempotent arrival.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -26,7 +25,12 @@ import tenacity
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
-from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S, BarrierResult, RoundResult
+from elasticrl.coordinator.member_stream import MemberStream
+from elasticrl.coordinator.state import (
+    DEFAULT_REJOIN_TIMEOUT_S,
+    BarrierResult,
+    RoundResult,
+)
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 
 CHECKED_WAIT_CHUNK_S = 0.5
@@ -181,53 +185,6 @@ class CoordinatorClient:
         ref = wire.member_ref(member_id, incarnation)
         return self._call("KeepAlive", pb.KeepAliveRequest(run_id=run_id, member=ref), retry_s=retry_s).epoch
 
-    def keep_alive_stream(
-        self, run_id: str, member_id: str, incarnation: int, *,
-        period_s: float, stop: threading.Event, on_epoch: Callable[[int], None],
-    ) -> None:
-        """Renew a lease over one long-lived Session stream, a keep-alive every ``period_s``, until
-        ``stop`` is set (then the stream is closed cleanly). While this process lives the stream
-        stays open, so when it dies the kernel closes the socket and the coordinator evicts the
-        member within its stream grace (``--stream-grace``) instead of a lease TTL later. A broken
-        stream is reopened at once, then with backoff, for as long as ``stop`` is not set. Raises
-        ``FencedError`` once the incarnation is fenced; ``on_epoch`` gets each answer's epoch."""
-        keep_alive = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))
-        budget = wire.ReopenBudget(float("inf"))
-
-        def requests() -> Iterator[pb.SessionRequest]:
-            for n in itertools.count(1):
-                yield pb.SessionRequest(id=n, keep_alive=keep_alive)
-                if stop.wait(period_s):
-                    # On purpose, said so: without it the coordinator takes the end for a crash.
-                    yield pb.SessionRequest(id=n + 1, close=pb.SessionClose())
-                    return  # half-close: the coordinator ends the stream cleanly
-
-        while not stop.is_set():
-            call = self._stub.Session(requests(), metadata=self._metadata)
-            up = False
-            try:
-                for resp in call:
-                    up = True
-                    if not resp.HasField("error"):
-                        on_epoch(resp.keep_alive.epoch)
-                        continue
-                    e = resp.error
-                    exc = codes.error_from_status(e.code, e.error_class, e.message, self.address)
-                    if isinstance(exc, FencedError):
-                        call.cancel()
-                        raise exc
-                    log.warning("member %s: keep-alive failed (%s); retrying", member_id, exc)
-                detail = "the coordinator ended the stream"
-            except grpc.RpcError as err:
-                detail = f"{err.code().name}: {err.details()}"
-            if stop.is_set():
-                return
-            pause = budget.pause_after(up)
-            log.log(logging.DEBUG if up else logging.WARNING,
-                    "member %s: keep-alive stream to %s broke (%s); reopening in %.2fs", member_id, self.address, detail, pause)
-            if stop.wait(pause):
-                return
-
     def leave(self, run_id: str, member_id: str, incarnation: int, reason: str = "") -> int:
         ref = wire.member_ref(member_id, incarnation)
         return self._call("Leave", pb.LeaveRequest(run_id=run_id, member=ref, reason=reason)).epoch
@@ -272,13 +229,15 @@ class CoordinatorClient:
         policy: str = "evict_missing",
         epoch: int = 0,
         check: Callable[[], None] | None = None,
+        send: Callable[[pb.ArriveRequest, float], pb.ArriveResponse] | None = None,
     ) -> BarrierResult:
         """Arrive at barrier ``name`` and return once it is decided.
 
         Raises ``BarrierTimeoutError`` (with ``.missing``) when the REPORT policy timed out, and
         ``CoordinatorTimeoutError`` if no decision came well after ``timeout_s``. ``check``, if
         given, runs every ``CHECKED_WAIT_CHUNK_S`` while the barrier is undecided; what it raises
-        ends the wait (the arrival stays recorded).
+        ends the wait (the arrival stays recorded). ``send(request, timeout_s)``, if given, carries
+        each wait's request instead of a unary ``Arrive`` call (``Membership``: its Session stream).
         """
         give_up = time.monotonic() + timeout_s + DEADLINE_SLACK_S + self.reconnect_timeout_s
         chunk = MAX_WAIT_CHUNK_S if check is None else CHECKED_WAIT_CHUNK_S
@@ -289,7 +248,11 @@ class CoordinatorClient:
             request = wire.arrive_request(
                 run_id, member_id, incarnation, name, timeout_s=timeout_s, policy=policy, epoch=epoch, wait_s=wait_s
             )
-            result = wire.arrive_outcome(name, self._call("Arrive", request, timeout_s=wait_s + DEADLINE_SLACK_S))
+            if send is None:
+                response = self._call("Arrive", request, timeout_s=wait_s + DEADLINE_SLACK_S)
+            else:
+                response = send(request, wait_s + DEADLINE_SLACK_S)
+            result = wire.arrive_outcome(name, response)
             if result is not None:
                 return result
             if time.monotonic() >= give_up:
@@ -389,7 +352,8 @@ class CoordinatorClient:
 
 class Membership:
     """A joined member that renews its lease from a daemon thread, over a Session stream (so its
-    death is noticed within the stream grace, see ``keep_alive_stream``), until it leaves or is fenced.
+    death is noticed within the stream grace), until it leaves or is fenced. Its barrier arrivals
+    ride that stream too, or go as unary calls while it is down (``member_stream.MemberStream``).
 
     If the coordinator says this incarnation is fenced (it was evicted while paused, say), the
     thread stops, ``fenced`` holds the error, ``on_fenced`` is called once, and every later call
@@ -418,15 +382,17 @@ class Membership:
         self.streaming = threading.Event()
         """Set once a keep-alive went through the Session stream: from then on the coordinator notices
         this process's death within its stream grace (before, only its lease would)."""
+        self._stream = MemberStream(client, run_id, self.member_id, self.incarnation, period_s=self.lease_ttl_s / 3,
+                                    stop=self._stop, on_epoch=self._saw_epoch)
         self._thread = threading.Thread(target=self._renew, name=f"elasticrl-lease-{member_id}", daemon=True)
         self._thread.start()
 
     def _renew(self) -> None:
+        # While this process lives the stream stays open, so when it dies the kernel closes the
+        # socket and the coordinator evicts the member within its stream grace (--stream-grace)
+        # instead of a lease TTL later.
         try:
-            self.client.keep_alive_stream(
-                self.run_id, self.member_id, self.incarnation,
-                period_s=self.lease_ttl_s / 3, stop=self._stop, on_epoch=self._saw_epoch,
-            )
+            self._stream.run()
         except FencedError as exc:
             self._fence(exc)
         except Exception:  # noqa: BLE001 - a bug here must not pass silently: the lease would lapse
@@ -454,7 +420,7 @@ class Membership:
         try:
             result = self.client.arrive(
                 self.run_id, self.member_id, self.incarnation, name, timeout_s=timeout_s, policy=policy, epoch=self.epoch,
-                check=check,
+                check=check, send=self._send_arrival,
             )
         except FencedError as exc:
             self._fence(exc)
@@ -462,9 +428,19 @@ class Membership:
         self.epoch = max(self.epoch, result.epoch)
         return result
 
+    def _send_arrival(self, request: pb.ArriveRequest, timeout_s: float) -> pb.ArriveResponse:
+        response = self._stream.arrive(request, timeout_s)
+        if response is None:  # no stream up, or it broke meanwhile: a unary call (arrivals count once)
+            return self.client._call("Arrive", request, timeout_s=timeout_s)
+        if response.HasField("error"):
+            e = response.error
+            raise codes.error_from_status(e.code, e.error_class, e.message, self.client.address)
+        return response.arrive
+
     def stop(self) -> None:
         """Stop renewing without leaving (the lease then lapses on its own)."""
         self._stop.set()
+        self._stream.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.client.call_timeout_s + 1)
 

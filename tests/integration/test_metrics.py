@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 import pytest
 
-from elasticrl.coordinator.client import CoordinatorClient
+from elasticrl.coordinator.client import CoordinatorClient, Membership
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint
 from elasticrl.errors import AuthError
 from elasticrl.scheduler.client import SchedulerClient
@@ -281,3 +281,22 @@ def test_a_failing_scrape_answers_500_and_the_endpoint_keeps_serving():
     finally:
         ep.stop()
 
+
+
+@pytest.mark.timeout(60)
+def test_a_membership_arrives_over_its_session_stream_not_in_unary_calls(coordinator_factory, tmp_path):
+    import concurrent.futures
+
+    coord, port = with_metrics(coordinator_factory, tmp_path)
+    with CoordinatorClient(coord.address, call_timeout_s=5, reconnect_timeout_s=10) as client:
+        members = [Membership(client, "s", name) for name in ("a", "b", "c")]
+        wait_until(lambda: all(m.streaming.is_set() for m in members), 10, message="the members' streams")
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for i in range(3):
+                results = list(pool.map(lambda m: m.arrive(f"step-{i}", timeout_s=20), members))
+                assert all(r.arrived == ["a", "b", "c"] and not r.evicted for r in results), results
+        samples = scrape(port)
+        assert value(samples, "elasticrl_rpcs_received_total", service="elasticrl.v1.Coordinator", method="Arrive") == 0
+        assert value(samples, "elasticrl_rpcs_received_total", service="elasticrl.v1.Coordinator", method="Session") == 3
+        for m in members:
+            m.leave()
