@@ -7,7 +7,8 @@ commands on stdin, replies on stdout, each reply naming its ``op``. Commands:
 * ``{"op": "setup", "impl": ..., "members": [...], "ranks": [...], "world": N, ...}``: join the
   coordinator (and start one keep-alive loop per member; with ``"transport": "session"`` each
   member also opens its Session stream, with ``"batched"`` all members of the process share one
-  stream, whose operations go in batch messages), connect TCPStore clients, or prepare the flag
+  stream, whose operations go in batch messages; with ``"membership"`` each member is a
+  ``client.Membership``, as a trainer worker's), connect TCPStore clients, or prepare the flag
   directory. Replied once every member is ready.
 * ``{"op": "round", "name": B, "hold": R}``: every member of this process arrives at barrier
   ``B`` at once, except rank ``R`` (if it lives here), which waits for ``go``. The round runs in
@@ -148,6 +149,62 @@ class CoordinatorMembers:
             await client.close()
 
 
+class MembershipMembers:
+    """Transport "membership": the trainer's own member class, ``client.Membership`` (blocking
+    calls, a renewal thread and one Session stream per member, its arrivals on that stream), a
+    thread per member and a channel per member, as each trainer worker process has."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.members: list = []
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def setup(self) -> None:
+        from elasticrl.coordinator.client import CoordinatorClient, Membership
+
+        names = self.cfg["members"]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="member")
+        gate = concurrent.futures.ThreadPoolExecutor(max_workers=JOINS_IN_FLIGHT)  # as CoordinatorMembers: bounded joins
+
+        def join(name: str):
+            client = CoordinatorClient(self.cfg["address"], call_timeout_s=30, reconnect_timeout_s=10)
+            m = Membership(client, self.cfg["run_id"], name, host="bench", lease_ttl_s=self.cfg["lease_ttl_s"])
+            if not m.streaming.wait(30):
+                raise TimeoutError(f"member {name}: its Session stream did not open within 30s")
+            return m
+
+        try:
+            self.members = list(await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(gate, join, n) for n in names)))
+        finally:
+            gate.shutdown(wait=False)
+
+    def _arrive(self, m, name: str):
+        sent = time.monotonic()
+        result = m.arrive(name, timeout_s=self.cfg["barrier_timeout_s"])
+        return sent, time.monotonic(), result
+
+    async def _arrive_gated(self, m, name: str, gate: asyncio.Event | None):
+        if gate is not None:
+            await gate.wait()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._arrive, m, name)
+
+    async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
+        ranks = self.cfg["ranks"]
+        done = await asyncio.gather(*(self._arrive_gated(m, name, gates.get(ranks[i])) for i, m in enumerate(self.members)))
+        for _, _, result in done:
+            expected = self.cfg["world"] - len(result.evicted)
+            assert len(result.arrived) == expected, f"barrier {name}: {len(result.arrived)} arrived, expected {expected}"
+        return {"times": [[s, r] for s, r, _ in done], "evicted": sorted(done[0][2].evicted) if done else []}
+
+    async def teardown(self) -> None:
+        for m in self.members:
+            m.stop()
+            m.client.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.members = []
+
+
 class TCPStoreMembers:
     """The baseline on torch's TCPStore: ``torch.distributed.elastic.utils.store.barrier`` per member.
 
@@ -258,7 +315,8 @@ async def serve() -> None:
         op = cmd["op"]
         try:
             if op == "setup":
-                members = IMPLS[cmd["impl"]](cmd)
+                impl = MembershipMembers if cmd.get("transport") == "membership" else IMPLS[cmd["impl"]]
+                members = impl(cmd)
                 await members.setup()
             elif op == "round":
                 assert members is not None, "round before setup"

@@ -8,7 +8,9 @@ Everything is measured in one run on this host. The same barrier is built three 
   three transports (``--transports``): ``unary``, one Arrive/KeepAlive call per operation,
   ``session``, one long-lived Session stream per member carrying both as messages, and
   ``batched``, one Session stream per client process carrying all of its members' operations,
-  those queued together as one batch message (and their answers likewise);
+  those queued together as one batch message (and their answers likewise); and ``membership``,
+  each member a ``client.Membership`` as a trainer worker uses (blocking calls, a thread and a
+  Session stream per member, arrivals on it);
 * ``tcpstore``: ``torch.distributed.elastic.utils.store.barrier`` (add + wait on a key) on a
   ``torch.distributed.TCPStore`` served by this process;
 * ``flagfile``: flag files in a directory polled every ``--poll-s`` (the shared-filesystem design).
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=2.0, help="flag-file poll period, seconds (default: %(default)s, as the shared-filesystem scripts)")
     p.add_argument("--patterns", default="burst,last", help="arrival patterns: burst (all members at once) and last (the last member arrives after the others are parked) (default: %(default)s)")
     p.add_argument("--workers", type=int, default=4, help="client processes that host the members (default: %(default)s)")
-    p.add_argument("--transports", default="unary,session,batched", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member), batched (one bidi stream per process, batch messages) (default: %(default)s)")
+    p.add_argument("--transports", default="unary,session,batched", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member), batched (one bidi stream per process, batch messages), membership (client.Membership, a trainer worker's: blocking calls, a thread and a stream per member) (default: %(default)s)")
     p.add_argument("--modes", default="memory,durable", help="coordinator state modes to measure: memory, durable (SQLite WAL) (default: %(default)s)")
     p.add_argument("--state-dir", help="parent directory for durable state, to bench a given filesystem (default: a temporary directory)")
     p.add_argument("--latency-ttl", type=float, default=5.0, help="member lease TTL during latency rounds, seconds; members renew every TTL/3 (default: %(default)s)")
@@ -99,8 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.patterns = [m.strip() for m in args.patterns.split(",") if m.strip()]
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if not args.transports or not set(args.transports) <= {"unary", "session", "batched"}:
-        parser.error(f"--transports: {args.transports} may only name unary, session and batched")
+    if not args.transports or not set(args.transports) <= {"unary", "session", "batched", "membership"}:
+        parser.error(f"--transports: {args.transports} may only name unary, session, batched and membership")
     if not args.patterns or not set(args.patterns) <= {"burst", "last"}:
         parser.error(f"--patterns: {args.patterns} may only name burst and last")
     if not set(args.modes) <= {"memory", "durable"}:
