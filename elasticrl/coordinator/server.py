@@ -108,7 +108,7 @@ class CoordinatorConfig:
     RESOURCE_EXHAUSTED. Each spools to a temp file under the state dir (or a temp dir), not memory."""
     keep_iterations: int = DEFAULT_KEEP_ITERATIONS
     """Sealed iterations kept per run; older ones leave memory and SQLite, their shards are deleted
-    (manifests stay)."""
+    (manifests stay; up to 2 GiB of their files are kept to be overwritten by new shards, recycle.py)."""
     keep_barriers: int = 1000
     """Decided barriers kept per run; older ones are forgotten."""
     keep_request_ids: int = DEFAULT_KEEP_REQUEST_IDS
