@@ -43,6 +43,22 @@ JOINS_IN_FLIGHT = 64
 MEMBERS_PER_STREAM = 1024
 
 
+def _released(cfg: dict, name: str, done: list) -> dict:
+    """A round's reply from its members' (sent, released, BarrierResult), each result checked:
+    every live member must be counted (the failure scenario also reports the evicted one)."""
+    for _, _, result in done:
+        expected = cfg["world"] - len(result.evicted)
+        assert len(result.arrived) == expected, f"barrier {name}: {len(result.arrived)} arrived, expected {expected}"
+    return {"times": [[s, r] for s, r, _ in done], "evicted": sorted(done[0][2].evicted) if done else []}
+
+
+async def _in_thread(pool, gate: asyncio.Event | None, arrive, *args):
+    """``arrive(*args)`` (a blocking member's arrival) in ``pool``, once ``gate`` (if any) is set."""
+    if gate is not None:
+        await gate.wait()
+    return await asyncio.get_running_loop().run_in_executor(pool, arrive, *args)
+
+
 class CoordinatorMembers:
     """Members that join the elasticrl coordinator, keep their leases and arrive at leased barriers.
 
@@ -130,11 +146,7 @@ class CoordinatorMembers:
     async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
         ranks = self.cfg["ranks"]
         done = await asyncio.gather(*(self._arrive(i, name, gates.get(ranks[i])) for i in range(len(self.refs))))
-        for _, _, result in done:
-            # Every live member must be counted; the failure scenario also reports the evicted one.
-            expected = self.cfg["world"] - len(result.evicted)
-            assert len(result.arrived) == expected, f"barrier {name}: {len(result.arrived)} arrived, expected {expected}"
-        return {"times": [[s, r] for s, r, _ in done], "evicted": sorted(done[0][2].evicted) if done else []}
+        return _released(self.cfg, name, done)
 
     async def teardown(self) -> None:
         tasks = [t for t in self.keepalives if t is not None]  # None: setup failed before it
@@ -183,18 +195,10 @@ class MembershipMembers:
         result = m.arrive(name, timeout_s=self.cfg["barrier_timeout_s"])
         return sent, time.monotonic(), result
 
-    async def _arrive_gated(self, m, name: str, gate: asyncio.Event | None):
-        if gate is not None:
-            await gate.wait()
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._arrive, m, name)
-
     async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
         ranks = self.cfg["ranks"]
-        done = await asyncio.gather(*(self._arrive_gated(m, name, gates.get(ranks[i])) for i, m in enumerate(self.members)))
-        for _, _, result in done:
-            expected = self.cfg["world"] - len(result.evicted)
-            assert len(result.arrived) == expected, f"barrier {name}: {len(result.arrived)} arrived, expected {expected}"
-        return {"times": [[s, r] for s, r, _ in done], "evicted": sorted(done[0][2].evicted) if done else []}
+        done = await asyncio.gather(*(_in_thread(self.pool, gates.get(ranks[i]), self._arrive, m, name) for i, m in enumerate(self.members)))
+        return _released(self.cfg, name, done)
 
     async def teardown(self) -> None:
         for m in self.members:
@@ -235,14 +239,9 @@ class TCPStoreMembers:
         barrier(store, self.cfg["world"], key_prefix=name, barrier_timeout=self.cfg["barrier_timeout_s"])
         return sent, time.monotonic()
 
-    async def _arrive_gated(self, store, name: str, gate: asyncio.Event | None) -> tuple[float, float]:
-        if gate is not None:
-            await gate.wait()
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._arrive, store, name)
-
     async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
         ranks = self.cfg["ranks"]
-        done = await asyncio.gather(*(self._arrive_gated(s, name, gates.get(ranks[i])) for i, s in enumerate(self.stores)))
+        done = await asyncio.gather(*(_in_thread(self.pool, gates.get(ranks[i]), self._arrive, s, name) for i, s in enumerate(self.stores)))
         return {"times": [list(t) for t in done], "evicted": []}
 
     async def teardown(self) -> None:

@@ -236,8 +236,7 @@ class AsyncSession:
         finally:
             self._forget(request.id)
         if resp.HasField("error"):
-            e = resp.error
-            raise codes.error_from_status(e.code, e.error_class, e.message, self.address)
+            raise codes.error_from_session(resp.error, self.address)
         return resp
 
     def _resolve(self, request_id: int, resp: pb.SessionResponse) -> None:

@@ -26,15 +26,8 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.member_stream import MemberStream
-from elasticrl.coordinator.state import (
-    DEFAULT_REJOIN_TIMEOUT_S,
-    BarrierResult,
-    RoundResult,
-)
+from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S, BarrierResult, RoundResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
-
-CHECKED_WAIT_CHUNK_S = 0.5
-"""How often a barrier wait with a ``check`` runs it, seconds (one re-arrival per chunk)."""
 from elasticrl.errors import (
     CoordinatorTimeoutError,
     CoordinatorUnavailableError,
@@ -42,6 +35,9 @@ from elasticrl.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+CHECKED_WAIT_CHUNK_S = 0.5
+"""How often a barrier wait with a ``check`` runs it, seconds (one re-arrival per chunk)."""
 
 TOKEN_ENV = "ELASTICRL_TOKEN"
 _ROUND_STATUS = {
@@ -433,8 +429,7 @@ class Membership:
         if response is None:  # no stream up, or it broke meanwhile: a unary call (arrivals count once)
             return self.client._call("Arrive", request, timeout_s=timeout_s)
         if response.HasField("error"):
-            e = response.error
-            raise codes.error_from_status(e.code, e.error_class, e.message, self.client.address)
+            raise codes.error_from_session(response.error, self.client.address)
         return response.arrive
 
     def stop(self) -> None:

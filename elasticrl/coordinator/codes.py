@@ -79,6 +79,11 @@ def error_from_status(
     return cls(message)
 
 
+def error_from_session(error, address: str) -> errors.ElasticRLError:
+    """``error_from_status`` for a Session stream's ``Error`` message (an operation's failure)."""
+    return error_from_status(error.code, error.error_class, error.message, address)
+
+
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 

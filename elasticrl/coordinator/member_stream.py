@@ -134,8 +134,7 @@ class MemberStream:
         if resp.HasField("keep_alive"):
             self.on_epoch(resp.keep_alive.epoch)
         elif resp.HasField("error"):
-            e = resp.error
-            exc = codes.error_from_status(e.code, e.error_class, e.message, self.client.address)
+            exc = codes.error_from_session(resp.error, self.client.address)
             if isinstance(exc, FencedError):
                 call.cancel()
                 raise exc

@@ -48,12 +48,18 @@ def test_the_recycler_keeps_at_most_its_bounds_and_deletes_the_rest(tmp_path):
     assert len(r) == 0
 
 
-def test_a_retired_file_that_vanished_is_replaced_by_a_new_one(tmp_path):
+def store_with_a_retired_shard(tmp_path):
+    """A store that wrote one small shard in iteration 1 and dropped it (so retired its file)."""
     s = TrajectoryStore(tmp_path)
     _, small = big_and_small()
     s.write_shard(RUN, 1, small)
     s.drop(RUN, 1)
     s.settle(5.0)
+    return s, small
+
+
+def test_a_retired_file_that_vanished_is_replaced_by_a_new_one(tmp_path):
+    s, small = store_with_a_retired_shard(tmp_path)
     for path in (tmp_path / recycle.DIRECTORY).iterdir():
         path.unlink()
     name = s.write_shard(RUN, 2, small)
@@ -61,11 +67,7 @@ def test_a_retired_file_that_vanished_is_replaced_by_a_new_one(tmp_path):
 
 
 def test_a_start_up_deletes_a_previous_process_s_retired_files_and_reads_no_run_from_them(tmp_path):
-    s = TrajectoryStore(tmp_path)
-    _, small = big_and_small()
-    s.write_shard(RUN, 1, small)
-    s.drop(RUN, 1)
-    s.settle(5.0)
+    store_with_a_retired_shard(tmp_path)
     assert len(list((tmp_path / recycle.DIRECTORY).iterdir())) == 1
     again = TrajectoryStore(tmp_path)
     assert list((tmp_path / recycle.DIRECTORY).iterdir()) == [] and len(again.recycler) == 0
