@@ -169,6 +169,7 @@ class MembershipMembers:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.members: list = []
+        self.relays: list = []
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def setup(self) -> None:
@@ -177,16 +178,24 @@ class MembershipMembers:
         names = self.cfg["members"]
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="member")
         gate = concurrent.futures.ThreadPoolExecutor(max_workers=JOINS_IN_FLIGHT)  # as CoordinatorMembers: bounded joins
+        paths = [None] * len(names)
+        if self.cfg.get("transport") == "relay":  # a node relay per relay_members members, as per node
+            from elasticrl.coordinator.relay import RelayThread
 
-        def join(name: str):
+            fanin = self.cfg["relay_members"]
+            self.relays = [RelayThread(self.cfg["address"]) for _ in range(0, len(names), fanin)]
+            paths = [self.relays[i // fanin].path for i in range(len(names))]
+
+        def join(name: str, relay: str | None):
             client = CoordinatorClient(self.cfg["address"], call_timeout_s=30, reconnect_timeout_s=10)
-            m = Membership(client, self.cfg["run_id"], name, host="bench", lease_ttl_s=self.cfg["lease_ttl_s"])
+            m = Membership(client, self.cfg["run_id"], name, host="bench", lease_ttl_s=self.cfg["lease_ttl_s"], relay=relay)
             if not m.streaming.wait(30):
                 raise TimeoutError(f"member {name}: its Session stream did not open within 30s")
             return m
 
         try:
-            self.members = list(await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(gate, join, n) for n in names)))
+            self.members = list(await asyncio.gather(*(
+                asyncio.get_running_loop().run_in_executor(gate, join, n, path) for n, path in zip(names, paths))))
         finally:
             gate.shutdown(wait=False)
 
@@ -206,7 +215,9 @@ class MembershipMembers:
             m.client.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-        self.members = []
+        for relay in self.relays:
+            relay.stop()
+        self.members, self.relays = [], []
 
 
 class TCPStoreMembers:
@@ -314,7 +325,7 @@ async def serve() -> None:
         op = cmd["op"]
         try:
             if op == "setup":
-                impl = MembershipMembers if cmd.get("transport") == "membership" else IMPLS[cmd["impl"]]
+                impl = MembershipMembers if cmd.get("transport") in ("membership", "relay") else IMPLS[cmd["impl"]]
                 members = impl(cmd)
                 await members.setup()
             elif op == "round":

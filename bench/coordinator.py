@@ -10,7 +10,10 @@ Everything is measured in one run on this host. The same barrier is built three 
   ``batched``, one Session stream per client process carrying all of its members' operations,
   those queued together as one batch message (and their answers likewise); and ``membership``,
   each member a ``client.Membership`` as a trainer worker uses (blocking calls, a thread and a
-  Session stream per member, arrivals on it);
+  Session stream per member, arrivals on it); and ``relay``, the same ``Membership`` through a
+  node relay (``coordinator/relay.py``) per ``--relay-members`` members, as a node agent runs
+  one: a Unix socket per member to it, one batched stream from it (the relays are threads of the
+  client processes here; on a cluster each is its node's agent);
 * ``tcpstore``: ``torch.distributed.elastic.utils.store.barrier`` (add + wait on a key) on a
   ``torch.distributed.TCPStore`` served by this process;
 * ``flagfile``: flag files in a directory polled every ``--poll-s`` (the shared-filesystem design).
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=2.0, help="flag-file poll period, seconds (default: %(default)s, as the shared-filesystem scripts)")
     p.add_argument("--patterns", default="burst,last", help="arrival patterns: burst (all members at once) and last (the last member arrives after the others are parked) (default: %(default)s)")
     p.add_argument("--workers", type=int, default=4, help="client processes that host the members (default: %(default)s)")
-    p.add_argument("--transports", default="unary,session,batched", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member), batched (one bidi stream per process, batch messages), membership (client.Membership, a trainer worker's: blocking calls, a thread and a stream per member) (default: %(default)s)")
+    p.add_argument("--transports", default="unary,session,batched", help="coordinator member transports: unary (a call per arrival/keep-alive), session (one bidi stream per member), batched (one bidi stream per process, batch messages), membership (client.Membership, a trainer worker's: blocking calls, a thread and a stream per member), relay (client.Membership through a node relay per --relay-members members: one batched stream per relay) (default: %(default)s)")
+    p.add_argument("--relay-members", type=int, default=8, help="transport relay: members per node relay, as trainer ranks per node (default: %(default)s)")
     p.add_argument("--modes", default="memory,durable", help="coordinator state modes to measure: memory, durable (SQLite WAL) (default: %(default)s)")
     p.add_argument("--state-dir", help="parent directory for durable state, to bench a given filesystem (default: a temporary directory)")
     p.add_argument("--latency-ttl", type=float, default=5.0, help="member lease TTL during latency rounds, seconds; members renew every TTL/3 (default: %(default)s)")
@@ -101,8 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.patterns = [m.strip() for m in args.patterns.split(",") if m.strip()]
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if not args.transports or not set(args.transports) <= {"unary", "session", "batched", "membership"}:
-        parser.error(f"--transports: {args.transports} may only name unary, session, batched and membership")
+    if not args.transports or not set(args.transports) <= {"unary", "session", "batched", "membership", "relay"}:
+        parser.error(f"--transports: {args.transports} may only name unary, session, batched, membership and relay")
+    if args.relay_members < 1:
+        parser.error(f"--relay-members: {args.relay_members} must be at least 1")
     if not args.patterns or not set(args.patterns) <= {"burst", "last"}:
         parser.error(f"--patterns: {args.patterns} may only name burst and last")
     if not set(args.modes) <= {"memory", "durable"}:
@@ -485,7 +491,7 @@ class Bench:
         if self.pool is None:
             self.pool = WorkerPool(a.workers, self.tmp / "workers.log")
             self.cleanup.callback(self.pool.kill)
-        common = dict(round_timeout_s=self.round_timeout_s, barrier_timeout_s=a.barrier_timeout_s)
+        common = dict(round_timeout_s=self.round_timeout_s, barrier_timeout_s=a.barrier_timeout_s, relay_members=a.relay_members)
         if impl == "coordinator":
             from elasticrl.coordinator.client import CoordinatorClient
 
@@ -531,7 +537,7 @@ class Bench:
                         rows.append(failure_trial(
                             self.tmp, impl, n, a.hang_cap_s, lambda name: coordinator_arrived(client, "fail", name),
                             address=coord.address, run_id="fail", lease_ttl_s=a.ttl, barrier_timeout_s=a.barrier_timeout_s,
-                            transport=transport,
+                            transport=transport, relay_members=a.relay_members,
                         ))
                 finally:
                     coord.stop()
@@ -572,7 +578,8 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
             "coordinator": "asyncio tasks; " + ("one gRPC channel per process" if args.shared_channel else "one gRPC channel per member")
             + f"; each member renews its lease every {args.latency_ttl / 3:.2f}s; transport unary: a gRPC call per "
             "arrival and keep-alive, session: one Session stream per member carrying both, batched: one Session "
-            "stream per process carrying all its members' operations in batch messages",
+            "stream per process carrying all its members' operations in batch messages, membership: client.Membership, "
+            f"a stream per member; relay: client.Membership through a node relay per {args.relay_members} members",
             "tcpstore": "threads, one TCPStore client per member; the store is served by the bench driver process",
             "flagfile": f"asyncio tasks; flags in one local directory, listed every {args.poll_s}s",
             "failure": "one OS process per member",

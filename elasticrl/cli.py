@@ -1,4 +1,4 @@
-"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``status``, ``close-run``.
+"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``relay``, ``status``, ``close-run``.
 
 Arguments are parsed before anything heavy is imported, so ``--help`` answers at once.
 """
@@ -73,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="also list members that left or were evicted")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    y = sub.add_parser(
+        "relay", help="a node's session relay: its members' Session streams as one stream to the coordinator",
+        description="Serve this node's members on a Unix socket and carry their keep-alives and barrier arrivals "
+        "on one batched Session stream to the coordinator. Point members at it with $ELASTICRL_SESSION_RELAY=PATH "
+        "(a torchrun agent with --rdzv-backend=elasticrl runs one by itself).",
+    )
+    _add_client_args(y)
+    y.add_argument("--socket", required=True, metavar="PATH", help="Unix socket to serve on (created mode 0600; a stale one is replaced)")
+
     x = sub.add_parser("close-run", help="close a run: no node can join or rendezvous in it again")
     _add_client_args(x)
     x.add_argument("run", help="run id to close")
@@ -91,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # the usual "unrecognized arguments" error
     if args.command == "coordinator":
         return _coordinator(args)
+    if args.command == "relay":
+        return _relay(args)
     from elasticrl.coordinator.client import resolve_token
     from elasticrl.errors import ElasticRLError
     from elasticrl.scheduler.client import SchedulerClient
@@ -119,6 +130,51 @@ def main(argv: list[str] | None = None) -> int:
     except ElasticRLError as exc:
         print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    import signal
+    import socket
+
+    from elasticrl.coordinator.client import resolve_token
+    from elasticrl.coordinator.relay import SessionRelay
+
+    if os.path.exists(args.socket):  # a socket nobody serves any more (a killed relay's) is replaced
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(args.socket)
+        except ConnectionRefusedError:
+            os.unlink(args.socket)
+        except OSError:
+            pass  # not a socket: start_unix_server says so below
+        else:
+            print(f"elasticrl relay: --socket: {args.socket} is served by another process", file=sys.stderr)
+            return 2
+        finally:
+            probe.close()
+
+    async def serve() -> None:
+        relay = SessionRelay(args.coordinator, token=resolve_token(None, args.token_file), tls_ca=args.tls_ca,
+                             call_timeout_s=args.timeout)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await relay.start(args.socket)
+        logging.getLogger("elasticrl.relay").info("session relay for %s serving on %s", args.coordinator, args.socket)
+        try:
+            await stop.wait()
+        finally:
+            await relay.close()
+            os.unlink(args.socket)
+
+    try:
+        asyncio.run(serve())
+    except (ValueError, OSError) as exc:
+        print(f"elasticrl relay: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

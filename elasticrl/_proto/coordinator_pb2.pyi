@@ -489,22 +489,34 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("id", "keep_alive", "arrive", "close", "batch")
+    __slots__ = ("id", "keep_alive", "arrive", "close", "batch", "detach")
     ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     ARRIVE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     id: int
     keep_alive: KeepAliveRequest
     arrive: ArriveRequest
     close: SessionClose
     batch: SessionBatch
-    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[SessionBatch, _Mapping]] = ...) -> None: ...
+    detach: SessionDetach
+    def __init__(self, id: _Optional[int] = ..., keep_alive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., arrive: _Optional[_Union[ArriveRequest, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[SessionBatch, _Mapping]] = ..., detach: _Optional[_Union[SessionDetach, _Mapping]] = ...) -> None: ...
 
 class SessionClose(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SessionDetach(_message.Message):
+    __slots__ = ("run_id", "member", "broken")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    BROKEN_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    member: MemberRef
+    broken: bool
+    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ..., broken: _Optional[bool] = ...) -> None: ...
 
 class SessionBatch(_message.Message):
     __slots__ = ("ops",)

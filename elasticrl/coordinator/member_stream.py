@@ -27,6 +27,7 @@ import grpc
 
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator.relay import RelayCall
 from elasticrl.errors import FencedError
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,10 @@ class _Answer:
 
 class MemberStream:
     def __init__(self, client, run_id: str, member_id: str, incarnation: int, *, period_s: float,
-                 stop: threading.Event, on_epoch: Callable[[int], None]):
+                 stop: threading.Event, on_epoch: Callable[[int], None], relay: str | None = None):
         self.client, self.run_id, self.member_id = client, run_id, member_id
+        self.relay = relay or None  # a node relay's socket (``relay.py``): the stream goes through it
+        self._relay_failed = False
         self.period_s, self.stop, self.on_epoch = period_s, stop, on_epoch
         self._keep_alive = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))
         self._ids = itertools.count(1)  # request ids, keep-alives and arrivals alike
@@ -80,9 +83,9 @@ class MemberStream:
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             with self._lock:
                 self._current = outbox
-            call = self.client._stub.Session(self._requests(outbox), metadata=self.client._metadata)
             up = False
             try:
+                call = self._open(self._requests(outbox))
                 for resp in call:
                     if not up:
                         up = True
@@ -92,6 +95,8 @@ class MemberStream:
                 detail = "the coordinator ended the stream"
             except grpc.RpcError as err:
                 detail = f"{err.code().name}: {err.details()}"
+            except OSError as err:  # the relay's connection
+                detail = f"{type(err).__name__}: {err}"
             finally:
                 self._broke(outbox)
             if self.stop.is_set():
@@ -101,6 +106,24 @@ class MemberStream:
                     self.member_id, self.client.address, detail, pause)
             if self.stop.wait(pause):
                 return
+
+    def _open(self, requests: Iterator[pb.SessionRequest]):
+        """The stream: through the node relay when there is one and it answers, else straight to
+        the coordinator (a relay that went away must not cost the member its lease)."""
+        if self.relay is not None:
+            try:
+                call = RelayCall(self.relay, requests)
+            except OSError as exc:
+                if not self._relay_failed:
+                    log.warning("member %s: session relay %s unreachable (%s); streaming to the coordinator directly",
+                                self.member_id, self.relay, exc)
+                self._relay_failed = True
+            else:
+                if self._relay_failed:
+                    log.info("member %s: session relay %s is back", self.member_id, self.relay)
+                self._relay_failed = False
+                return call
+        return self.client._stub.Session(requests, metadata=self.client._metadata)
 
     def _requests(self, outbox: queue.SimpleQueue) -> Iterator[pb.SessionRequest]:
         """A keep-alive now and every ``period_s``, and each arrival put in ``outbox``; a ``close``

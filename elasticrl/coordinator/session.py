@@ -307,6 +307,8 @@ async def _read(requests, out: asyncio.Queue, arrivals: StreamArrivals, members:
                     kind = inner.WhichOneof("op")
                     if kind == "arrive":
                         waiting.append((inner.id, inner.arrive))
+                    elif kind == "detach":
+                        await _detach(inner, out, members, error, core)
                     else:
                         await _op(inner, kind, out, members, keep_alive, error, core, inner=True)
                 if waiting:
@@ -315,6 +317,8 @@ async def _read(requests, out: asyncio.Queue, arrivals: StreamArrivals, members:
                 state.said_close = True
             elif op == "arrive":
                 await arrivals.arrive([(request.id, request.arrive)])
+            elif op == "detach":
+                await _detach(request, out, members, error, core)
             else:
                 await _op(request, op, out, members, keep_alive, error, core, inner=False)
         await arrivals.drained()
@@ -339,8 +343,22 @@ async def _op(request: pb.SessionRequest, op: str | None, out: asyncio.Queue, me
                 core.stream_attached(*key)
         await out.put(response)
     else:
-        what = "inside a batch: must be keep_alive or arrive" if inner else "must be set (keep_alive, arrive or close)"
+        what = ("inside a batch: must be keep_alive, arrive or detach" if inner
+                else "must be set (keep_alive, arrive, close or detach)")
         await out.put(error(request.id, InvalidRequestError(f"op: {what}")))
+
+
+async def _detach(request: pb.SessionRequest, out: asyncio.Queue, members: set, error, core: CoordinatorCore) -> None:
+    """A relay's member left it: its session on this stream ends as its own stream would."""
+    d = request.detach
+    try:
+        key = (v.ident("detach.run_id", d.run_id), *v.member_ref("detach.member", d.member))
+    except InvalidRequestError as exc:
+        await out.put(error(request.id, exc))
+        return
+    if key in members:
+        members.discard(key)
+        core.stream_detached(*key, abrupt=d.broken)
 
 
 _NOTHING = object()

@@ -65,6 +65,10 @@ class RendezvousConfig:
     (``train/reform.py``), or exit at once where they cannot, so torchrun restarts them. A node
     that joins still restarts everyone into the larger world. Only for ``elasticrl.node``
     workers: other scripts never say they watch, so their agents restart them as without it."""
+    session_relay: bool = True
+    """The agent runs a node relay (``coordinator/relay.py``) and its workers' ``Membership``
+    streams go through it: one Session stream per node to the coordinator instead of one per
+    worker. A worker that cannot reach it streams to the coordinator directly."""
 
     def __post_init__(self) -> None:
         if ":" not in self.endpoint or not self.endpoint.rsplit(":", 1)[1].isdigit():
@@ -101,7 +105,7 @@ class RendezvousConfig:
                 continue
             if field.endswith("_s"):
                 kwargs[field] = _seconds_value(key, value)
-            elif field == "in_place":
+            elif field in ("in_place", "session_relay"):
                 kwargs[field] = _bool_value(key, value)
             else:
                 kwargs[field] = str(value)
@@ -133,6 +137,7 @@ _CONF_KEYS = {
     "call_timeout": "call_timeout_s",
     "connect_timeout": "connect_timeout_s",
     "in_place": "in_place",
+    "session_relay": "session_relay",
 }
 _KEY_OF = {field: key for key, field in _CONF_KEYS.items()}
 

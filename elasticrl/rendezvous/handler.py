@@ -33,6 +33,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from elasticrl.config import COORDINATOR_ENV, IN_PLACE_ENV, TLS_CA_ENV, TOKEN_FILE_ENV
 from elasticrl.coordinator import policy
 from elasticrl.coordinator.client import CoordinatorClient, Membership, RunView, resolve_token
+from elasticrl.coordinator.relay import ENV as RELAY_ENV
+from elasticrl.coordinator.relay import RelayThread
 from elasticrl.errors import (
     AuthError,
     CoordinatorTimeoutError,
@@ -156,12 +158,28 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._stood_in: set[tuple[int, str]] = set()
         self._armed_round = 0  # the last round whose workers said they re-form in place
         self._left: set[str] = set()  # nodes seen leaving (not lost)
+        self._relay: RelayThread | None = None
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
         config = RendezvousConfig.from_params(params)
         export_to_workers(config)
-        return cls(config)
+        handler = cls(config)
+        if config.session_relay and not os.environ.get(RELAY_ENV):
+            handler._start_relay()
+        return handler
+
+    def _start_relay(self) -> None:
+        """Run this node's session relay; the workers started next inherit its socket's path."""
+        try:
+            token = resolve_token(token_file=self.config.token_file)
+            self._relay = RelayThread(self.config.endpoint, token=token, tls_ca=self.config.tls_ca)
+        except (OSError, TimeoutError) as exc:
+            log.warning("run %s: no session relay on this node (%s); workers stream to the coordinator directly",
+                        self.config.run_id, exc)
+            return
+        os.environ[RELAY_ENV] = self._relay.path
+        log.info("run %s: session relay for this node's workers at %s", self.config.run_id, self._relay.path)
 
     # -- identity ----------------------------------------------------------------------------
 
@@ -192,6 +210,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                 self.config.node_id,
                 lease_ttl_s=self.config.lease_ttl_s,
                 capabilities={"role": "torchrun-agent", "local_addr": self.config.local_addr or ""},
+                relay="",  # the agent streams on its own: its relay is for its workers
             )
             self._membership = m
             if self._views is None:
@@ -396,5 +415,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
             except ElasticRLError as exc:
                 log.warning("run %s: leaving failed (%s); the lease will lapse on its own", self.config.run_id, exc)
                 ok = False
+        if self._relay is not None:
+            self._relay.stop()
         self._client.close()
         return ok

@@ -3,7 +3,7 @@
 It joins, keeps its lease alive, optionally arrives at barriers, and prints one JSON line per
 event on stdout (with CLOCK_MONOTONIC timestamps, comparable across processes on one host):
 
-    python member_proc.py ADDRESS RUN MEMBER [--barrier NAME ...] [--timeout S]
+    python member_proc.py ADDRESS RUN MEMBER [--barrier NAME ...] [--wait-members N] [--timeout S]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> int:
     p.add_argument("member")
     p.add_argument("--barrier", action="append", default=[], help="barrier names to arrive at, in order")
     p.add_argument("--timeout", type=float, default=30.0, help="barrier timeout, seconds")
+    p.add_argument("--wait-members", type=int, default=0, help="before the barriers, wait until the run has this many live members")
     p.add_argument("--hold", type=float, default=60.0, help="seconds to stay a member after the barriers")
     args = p.parse_args()
     client = CoordinatorClient(args.address, call_timeout_s=5, reconnect_timeout_s=30)
@@ -46,6 +47,11 @@ def main() -> int:
         m.streaming.wait(0.05)
     if m.streaming.is_set():
         emit(event="streaming")  # its keep-alives go over a Session stream now
+    while args.wait_members and time.monotonic() < deadline:
+        (run,) = client.status(args.run)["runs"]
+        if len(run["snapshot"]["members"]) >= args.wait_members:
+            break
+        time.sleep(0.05)
     for name in args.barrier:
         try:
             r = m.arrive(name, timeout_s=args.timeout)
