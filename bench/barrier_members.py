@@ -180,7 +180,7 @@ class MembershipMembers:
         gate = concurrent.futures.ThreadPoolExecutor(max_workers=JOINS_IN_FLIGHT)  # as CoordinatorMembers: bounded joins
         paths = [None] * len(names)
         if self.cfg.get("transport") == "relay":  # a node relay per relay_members members, as per node
-            from elasticrl.coordinator.relay import RelayThread
+            from elasticrl.coordinator.session_relay import RelayThread
 
             fanin = self.cfg["relay_members"]
             self.relays = [RelayThread(self.cfg["address"]) for _ in range(0, len(names), fanin)]

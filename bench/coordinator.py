@@ -11,7 +11,7 @@ Everything is measured in one run on this host. The same barrier is built three 
   those queued together as one batch message (and their answers likewise); and ``membership``,
   each member a ``client.Membership`` as a trainer worker uses (blocking calls, a thread and a
   Session stream per member, arrivals on it); and ``relay``, the same ``Membership`` through a
-  node relay (``coordinator/relay.py``) per ``--relay-members`` members, as a node agent runs
+  node relay (``coordinator/session_relay.py``) per ``--relay-members`` members, as a node agent runs
   one: a Unix socket per member to it, one batched stream from it (the relays are threads of the
   client processes here; on a cluster each is its node's agent);
 * ``tcpstore``: ``torch.distributed.elastic.utils.store.barrier`` (add + wait on a key) on a

@@ -1,4 +1,4 @@
-"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``relay``, ``status``, ``close-run``.
+"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``session-relay``, ``status``, ``close-run``.
 
 Arguments are parsed before anything heavy is imported, so ``--help`` answers at once.
 """
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     y = sub.add_parser(
-        "relay", help="a node's session relay: its members' Session streams as one stream to the coordinator",
+        "session-relay", help="a node's session relay: its members' Session streams as one stream to the coordinator",
         description="Serve this node's members on a Unix socket and carry their keep-alives and barrier arrivals "
         "on one batched Session stream to the coordinator. Point members at it with $ELASTICRL_SESSION_RELAY=PATH "
         "(a torchrun agent with --rdzv-backend=elasticrl runs one by itself).",
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # the usual "unrecognized arguments" error
     if args.command == "coordinator":
         return _coordinator(args)
-    if args.command == "relay":
+    if args.command == "session-relay":
         return _relay(args)
     from elasticrl.coordinator.client import resolve_token
     from elasticrl.errors import ElasticRLError
@@ -140,7 +140,7 @@ def _relay(args: argparse.Namespace) -> int:
     import socket
 
     from elasticrl.coordinator.client import resolve_token
-    from elasticrl.coordinator.relay import SessionRelay
+    from elasticrl.coordinator.session_relay import SessionRelay
 
     if os.path.exists(args.socket):  # a socket nobody serves any more (a killed relay's) is replaced
         probe = socket.socket(socket.AF_UNIX)
@@ -151,7 +151,7 @@ def _relay(args: argparse.Namespace) -> int:
         except OSError:
             pass  # not a socket: start_unix_server says so below
         else:
-            print(f"elasticrl relay: --socket: {args.socket} is served by another process", file=sys.stderr)
+            print(f"elasticrl session-relay: --socket: {args.socket} is served by another process", file=sys.stderr)
             return 2
         finally:
             probe.close()
@@ -163,7 +163,7 @@ def _relay(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await relay.start(args.socket)
-        logging.getLogger("elasticrl.relay").info("session relay for %s serving on %s", args.coordinator, args.socket)
+        logging.getLogger("elasticrl.session_relay").info("session relay for %s serving on %s", args.coordinator, args.socket)
         try:
             await stop.wait()
         finally:
@@ -173,7 +173,7 @@ def _relay(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     except (ValueError, OSError) as exc:
-        print(f"elasticrl relay: {exc}", file=sys.stderr)
+        print(f"elasticrl session-relay: {exc}", file=sys.stderr)
         return 2
     return 0
 

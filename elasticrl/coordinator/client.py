@@ -26,7 +26,8 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.member_stream import MemberStream
-from elasticrl.coordinator.relay import ENV as RELAY_ENV
+from elasticrl.coordinator.session_relay import ENV as RELAY_ENV
+from elasticrl.coordinator.session_relay import FOR_ENV as RELAY_FOR_ENV
 from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S, BarrierResult, RoundResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import (
@@ -347,14 +348,20 @@ class CoordinatorClient:
         )
 
 
+def _node_relay(address: str) -> str:
+    """The node's session relay for a member of the coordinator at ``address``, "" if none."""
+    path = os.environ.get(RELAY_ENV, "")
+    return path if os.environ.get(RELAY_FOR_ENV, address) == address else ""  # it serves another coordinator
+
+
 class Membership:
     """A joined member that renews its lease from a daemon thread, over a Session stream (so its
     death is noticed within the stream grace), until it leaves or is fenced. Its barrier arrivals
     ride that stream too, or go as unary calls while it is down (``member_stream.MemberStream``).
 
-    ``relay``: the socket of this node's session relay (``relay.py``) to stream through; None
-    takes ``$ELASTICRL_SESSION_RELAY`` (set by a torchrun agent that runs one), "" streams to
-    the coordinator directly.
+    ``relay``: the socket of this node's session relay (``session_relay.py``) to stream through; None
+    takes ``$ELASTICRL_SESSION_RELAY`` (set by a torchrun agent that runs one) unless
+    ``$ELASTICRL_SESSION_RELAY_FOR`` names another coordinator; "" streams to the coordinator directly.
 
     If the coordinator says this incarnation is fenced (it was evicted while paused, say), the
     thread stops, ``fenced`` holds the error, ``on_fenced`` is called once, and every later call
@@ -386,7 +393,7 @@ class Membership:
         this process's death within its stream grace (before, only its lease would)."""
         self._stream = MemberStream(client, run_id, self.member_id, self.incarnation, period_s=self.lease_ttl_s / 3,
                                     stop=self._stop, on_epoch=self._saw_epoch,
-                                    relay=os.environ.get(RELAY_ENV) if relay is None else relay)
+                                    relay=_node_relay(client.address) if relay is None else relay)
         self._thread = threading.Thread(target=self._renew, name=f"elasticrl-lease-{member_id}", daemon=True)
         self._thread.start()
 

@@ -27,7 +27,7 @@ import grpc
 
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator import codes, wire
-from elasticrl.coordinator.relay import RelayCall
+from elasticrl.coordinator.session_relay import RelayCall
 from elasticrl.errors import FencedError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class MemberStream:
     def __init__(self, client, run_id: str, member_id: str, incarnation: int, *, period_s: float,
                  stop: threading.Event, on_epoch: Callable[[int], None], relay: str | None = None):
         self.client, self.run_id, self.member_id = client, run_id, member_id
-        self.relay = relay or None  # a node relay's socket (``relay.py``): the stream goes through it
+        self.relay = relay or None  # a node relay's socket (``session_relay.py``): the stream goes through it
         self._relay_failed = False
         self.period_s, self.stop, self.on_epoch = period_s, stop, on_epoch
         self._keep_alive = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))

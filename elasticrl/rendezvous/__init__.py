@@ -43,6 +43,10 @@ in_place            false       a lost node does not restart the survivors' work
                                 KV): they re-form it in place (``elasticrl.train.reform``;
                                 DDP on gloo), or exit at once so torchrun restarts them.
                                 Only for ``-m elasticrl.node`` workers
+session_relay       true        the agent runs its node's session relay and its workers'
+                                ``Membership`` streams go through it: one Session stream per
+                                node to the coordinator, not one per worker
+                                (``elasticrl.coordinator.session_relay``)
 ==================  ==========  ============================================================
 
 Errors come as torch's family: ``RendezvousConnectionError`` (coordinator unreachable after the

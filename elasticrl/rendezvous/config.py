@@ -66,7 +66,7 @@ class RendezvousConfig:
     that joins still restarts everyone into the larger world. Only for ``elasticrl.node``
     workers: other scripts never say they watch, so their agents restart them as without it."""
     session_relay: bool = True
-    """The agent runs a node relay (``coordinator/relay.py``) and its workers' ``Membership``
+    """The agent runs a node relay (``coordinator/session_relay.py``) and its workers' ``Membership``
     streams go through it: one Session stream per node to the coordinator instead of one per
     worker. A worker that cannot reach it streams to the coordinator directly."""
 

@@ -33,8 +33,9 @@ from torch.distributed.elastic.rendezvous.api import (
 from elasticrl.config import COORDINATOR_ENV, IN_PLACE_ENV, TLS_CA_ENV, TOKEN_FILE_ENV
 from elasticrl.coordinator import policy
 from elasticrl.coordinator.client import CoordinatorClient, Membership, RunView, resolve_token
-from elasticrl.coordinator.relay import ENV as RELAY_ENV
-from elasticrl.coordinator.relay import RelayThread
+from elasticrl.coordinator.session_relay import ENV as RELAY_ENV
+from elasticrl.coordinator.session_relay import FOR_ENV as RELAY_FOR_ENV
+from elasticrl.coordinator.session_relay import RelayThread
 from elasticrl.errors import (
     AuthError,
     CoordinatorTimeoutError,
@@ -179,6 +180,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                         self.config.run_id, exc)
             return
         os.environ[RELAY_ENV] = self._relay.path
+        os.environ[RELAY_FOR_ENV] = self.config.endpoint
         log.info("run %s: session relay for this node's workers at %s", self.config.run_id, self._relay.path)
 
     # -- identity ----------------------------------------------------------------------------

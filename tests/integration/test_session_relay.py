@@ -1,4 +1,4 @@
-"""The node relay (``coordinator/relay.py``): members' sessions ride one stream to a real
+"""The node relay (``coordinator/session_relay.py``): members' sessions ride one stream to a real
 coordinator, a member killed behind a live relay is still evicted by its broken connection within
 the stream grace, a coordinator restart is survived, and a member whose relay is gone streams
 directly."""
@@ -11,6 +11,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -20,7 +21,7 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import wire
 from elasticrl.coordinator.client import CoordinatorClient, Membership
-from elasticrl.coordinator.relay import ENV, RelayThread
+from elasticrl.coordinator.session_relay import ENV, RelayCall, RelayThread
 from tests.conftest import REPO, wait_until
 from tests.integration.prometheus import value
 from tests.integration.test_coordinator import members  # noqa: F401 - a fixture
@@ -47,13 +48,13 @@ def released(m, name: str, timeout_s: float) -> dict:
 
 @pytest.fixture
 def relay_process(tmp_path):
-    """``elasticrl relay`` subprocesses; every one is killed at teardown."""
+    """``elasticrl session-relay`` subprocesses; every one is killed at teardown."""
     started: list[subprocess.Popen] = []
 
     def start(address: str) -> str:
         path = str(tmp_path / f"relay{len(started)}.sock")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticrl", "relay", "--coordinator", address, "--socket", path],
+            [sys.executable, "-m", "elasticrl", "session-relay", "--coordinator", address, "--socket", path],
             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=open(tmp_path / f"relay{len(started)}.log", "ab"),
         )
         started.append(proc)
@@ -141,7 +142,7 @@ def test_detach_ends_one_members_session_on_a_shared_stream(coordinator_factory)
             pb.SessionRequest(id=11, detach=pb.SessionDetach(run_id="d", member=wire.member_ref("quit", joined["quit"].incarnation))),
             pb.SessionRequest(id=12, detach=pb.SessionDetach(run_id="", member=wire.member_ref("kept", 1))),
         ]
-        done = __import__("threading").Event()
+        done = threading.Event()
 
         def requests():
             yield from outbox
@@ -162,3 +163,32 @@ def test_detach_ends_one_members_session_on_a_shared_stream(coordinator_factory)
         done.set()
         call.cancel()
         channel.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_on_two_relay_connections_is_detached_when_the_last_one_ends(coordinator_factory):
+    coord = coordinator_factory(lease_ttl_s=30.0)
+    relay = RelayThread(coord.address)
+    try:
+        with CoordinatorClient(coord.address, call_timeout_s=5) as client:
+            joined = client.join("t", "m")
+            keep_alive = pb.KeepAliveRequest(run_id="t", member=wire.member_ref("m", joined.incarnation))
+            ends = [threading.Event(), threading.Event()]
+
+            def requests(end: threading.Event):
+                yield pb.SessionRequest(id=1, keep_alive=keep_alive)
+                end.wait(30)  # then the iterator ends: a half-close without ``close``, as a crash reads
+
+            calls = [RelayCall(relay.path, requests(end)) for end in ends]
+            answers = [iter(call) for call in calls]  # (an iterator dropped closes its connection)
+            for answer in answers:  # each connection's keep-alive answered through the relay, with its own id
+                assert next(answer).id == 1
+            calls[0].cancel()  # the old connection of a member that reconnected ends
+            time.sleep(1.0)  # twice the stream grace
+            assert member_state(client, "t", "m")["state"] == "MEMBER_STATE_LIVE"
+            calls[1].cancel()  # the last one: now its session is over
+            wait_until(lambda: member_state(client, "t", "m")["state"] == "MEMBER_STATE_EVICTED", 10, message="m's eviction")
+            for end in ends:
+                end.set()
+    finally:
+        relay.stop()

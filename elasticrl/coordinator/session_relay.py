@@ -1,10 +1,10 @@
-"""The node relay: one Session stream to the coordinator for the sessions of every member on a node.
+"""The session relay: one Session stream to the coordinator for the sessions of every member on a node.
 
 A Session stream per member costs the coordinator gRPC's per-message work twice per member and
 barrier (the arrival read, the release written): at 512 members that, not the barrier logic, is
 most of a barrier's time (``bench/coordinator.py --profile``). A node hosts several members (a
-trainer rank per GPU), so its agent (the torchrun agent, or ``elasticrl relay``) runs this relay
-and its members' ``Membership`` talk to it over a Unix socket: the coordinator then reads and
+trainer rank per GPU), so its agent (the torchrun agent, or ``elasticrl session-relay``) runs
+this relay and its members' ``Membership`` talk to it over a Unix socket: the coordinator reads and
 writes one message per node, batched, whatever the node's member count, and a barrier's decided
 answer goes to each node once (``SessionResponseBatch.shared``).
 
@@ -31,6 +31,7 @@ none. Nothing but protobuf crosses it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 ENV = "ELASTICRL_SESSION_RELAY"
 """Set by a node agent that runs a relay to its socket's path: its workers' ``Membership`` use it."""
+FOR_ENV = "ELASTICRL_SESSION_RELAY_FOR"
+"""The coordinator address that relay serves: a ``Membership`` of another coordinator ignores it."""
 
 _HEADER = struct.Struct(">I")
 MAX_REQUEST_BYTES = 1 << 20
@@ -103,6 +106,9 @@ class SessionRelay:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Member] = set()
         self._routes: dict[int, tuple[_Member, int]] = {}  # relay id -> (connection, member's id)
+        # Connections whose keep-alives named each member: a member that reconnected while its
+        # old connection was still open is detached only when the last one ends.
+        self._carriers: collections.Counter = collections.Counter()
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue | None = None  # the upstream stream's, while it is up
         self._held: list[pb.SessionRequest] = []  # requests while the upstream stream opens
@@ -145,8 +151,13 @@ class SessionRelay:
             self._conns.discard(conn)
             if self._outbox is None:  # no stream holds its session: nothing to detach, nothing to send
                 self._held = [r for r in self._held if r.id not in conn.ids]
-            else:
-                for run_id, member_id, incarnation in conn.members:
+            for key in conn.members:
+                self._carriers[key] -= 1
+                if self._carriers[key] > 0:
+                    continue
+                del self._carriers[key]
+                if self._outbox is not None:
+                    run_id, member_id, incarnation = key
                     self._outbox.put_nowait(pb.SessionRequest(id=next(self._ids), detach=pb.SessionDetach(
                         run_id=run_id, member=wire.member_ref(member_id, incarnation), broken=not conn.said_close)))
             for rid in conn.ids:
@@ -161,7 +172,10 @@ class SessionRelay:
         for one in request.batch.ops if op == "batch" else (request,):
             if one.WhichOneof("op") == "keep_alive":
                 ka = one.keep_alive
-                conn.members.add((ka.run_id, ka.member.member_id, ka.member.incarnation))
+                key = (ka.run_id, ka.member.member_id, ka.member.incarnation)
+                if key not in conn.members:
+                    conn.members.add(key)
+                    self._carriers[key] += 1
             rid = next(self._ids)
             self._routes[rid] = (conn, one.id)
             conn.ids.add(rid)
