@@ -284,6 +284,11 @@ class RelayThread:
         self._started.set()
         self._loop.run_forever()
 
+    @property
+    def streams_opened(self) -> int:
+        """Streams to the coordinator opened so far (one more after each coordinator restart)."""
+        return 0 if self._relay is None else self._relay.streams_opened
+
     def stop(self, timeout_s: float = 5.0) -> None:
         if self._relay is not None and self._loop.is_running():
             asyncio.run_coroutine_threadsafe(self._relay.close(), self._loop).result(timeout_s)

@@ -21,7 +21,7 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import wire
 from elasticrl.coordinator.client import CoordinatorClient, Membership
-from elasticrl.coordinator.session_relay import ENV, RelayCall, RelayThread
+from elasticrl.coordinator.session_relay import ENV, FOR_ENV, RelayCall, RelayThread
 from tests.conftest import REPO, wait_until
 from tests.integration.prometheus import value
 from tests.integration.test_coordinator import members  # noqa: F401 - a fixture
@@ -108,7 +108,7 @@ def test_a_relay_carries_its_members_across_a_coordinator_restart(coordinator_fa
                 results = list(pool.map(lambda m: m.arrive("after", timeout_s=30), ms))
             assert all(r.arrived == ["a", "b", "c"] and not r.evicted for r in results), results
             # The members stream through the relay again, which opened a second stream.
-            wait_until(lambda: relay._relay.streams_opened >= 2, 10, message="the relay's second stream")
+            wait_until(lambda: relay.streams_opened >= 2, 10, message="the relay's second stream")
             for m in ms:
                 m.leave()
             states = {n: member_state(client, "k", n)["state"] for n in ("a", "b", "c")}
@@ -192,3 +192,32 @@ def test_a_member_on_two_relay_connections_is_detached_when_the_last_one_ends(co
                 end.set()
     finally:
         relay.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_torchrun_agent_runs_a_relay_for_its_workers_unless_told_not_to(coordinator_factory, monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elasticrl.rendezvous.handler import ElasticRLRendezvousHandler
+
+    coord = coordinator_factory(lease_ttl_s=30.0)
+    monkeypatch.delenv(ENV, raising=False)
+    handler = ElasticRLRendezvousHandler.from_params(RendezvousParameters("elasticrl", coord.address, "ag", 1, 1))
+    try:
+        assert os.environ[FOR_ENV] == coord.address
+        with CoordinatorClient(coord.address, call_timeout_s=5) as client:
+            worker = Membership(client, "ag", "rank0")  # as -m elasticrl.node's, from the inherited environment
+            assert worker.streaming.wait(10)
+            assert handler._relay.path == os.environ[ENV] and handler._relay.streams_opened == 1
+            worker.leave()
+            other = Membership(CoordinatorClient(f"localhost:{coord.port}", call_timeout_s=5), "ag", "x")
+            assert other._stream.relay is None  # the relay serves 127.0.0.1:PORT, not this address
+            other.leave()
+            other.client.close()
+    finally:
+        handler.shutdown()
+    assert not os.path.exists(os.environ[ENV])
+    monkeypatch.delenv(ENV)
+    off = ElasticRLRendezvousHandler.from_params(RendezvousParameters("elasticrl", coord.address, "ag", 1, 1, session_relay="false"))
+    assert off._relay is None and ENV not in os.environ
+    off.shutdown()
