@@ -192,7 +192,7 @@ class SessionRelay:
         closed (each member reopens, which starts the next stream)."""
         outbox: asyncio.Queue = asyncio.Queue()
         call = self._stub.Session(batched_requests(outbox), metadata=self._metadata)
-        detail = "the coordinator ended the stream"
+        detail, up = "the coordinator ended the stream", False
         try:
             try:
                 await asyncio.wait_for(call.initial_metadata(), self.call_timeout_s)
@@ -201,6 +201,7 @@ class SessionRelay:
                 detail = f"stream not opened within {self.call_timeout_s:.1f}s"
                 return
             if not call.done():
+                up = True
                 self.streams_opened += 1
                 self._outbox = outbox
                 held, self._held = self._held, []
@@ -218,9 +219,10 @@ class SessionRelay:
             outbox.put_nowait(None)
             self._held.clear()
             self._routes.clear()
-            log.log(logging.INFO if self._conns else logging.DEBUG,
-                    "relay: session stream to %s ended (%s); closing %d member connection(s)",
-                    self.address, detail, len(self._conns))
+            # Never up: the coordinator is down, or refuses this relay (its token, its CA).
+            log.log(logging.WARNING if not up else logging.INFO if self._conns else logging.DEBUG,
+                    "relay: session stream to %s %s (%s); closing %d member connection(s)",
+                    self.address, "ended" if up else "did not open", detail, len(self._conns))
             for conn in list(self._conns):
                 conn.writer.transport.abort()  # their handlers detach nothing: no stream is up
 

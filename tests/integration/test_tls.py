@@ -111,3 +111,23 @@ def test_a_torchrun_node_trains_over_tls(coordinator_factory, pki, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     assert load_checkpoint(records[-1]["checkpoint"]).iteration == 2
+
+
+def test_a_session_relay_carries_member_sessions_over_tls_with_its_own_token(coordinator_factory, pki):
+    from elasticrl.coordinator.client import CoordinatorClient, Membership
+    from elasticrl.coordinator.session_relay import RelayThread
+
+    coord = coordinator_factory(extra_args=[
+        "--tls-cert", str(pki / "coordinator.crt"), "--tls-key", str(pki / "coordinator.key"),
+        "--token-file", str(pki / "token"),
+    ])
+    ca, token = str(pki / "ca.crt"), "tls-test-token"
+    relay = RelayThread(coord.address, token=token, tls_ca=ca)
+    try:
+        with CoordinatorClient(coord.address, tls_ca=ca, token=token, call_timeout_s=5) as client:
+            m = Membership(client, "relayed", "a", relay=relay.path)
+            assert m.streaming.wait(10) and relay.streams_opened == 1
+            assert m.arrive("b", timeout_s=10).arrived == ["a"]
+            m.leave()
+    finally:
+        relay.stop()
