@@ -35,6 +35,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from elasticrl.coordinator import malloc  # noqa: E402
 from elasticrl.errors import CoordinatorUnavailableError, FencedError  # noqa: E402
 from elasticrl.scheduler.state import GroupRecord, SampleRecord  # noqa: E402
 from elasticrl.scheduler.worker import Assignment, RolloutWorker  # noqa: E402
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    malloc.tune_sender(args.batch_bytes)  # as a node's EngineWorker does
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.member} %(levelname)s %(name)s: %(message)s")
     cache: dict[int, list[SampleRecord]] = {}
 

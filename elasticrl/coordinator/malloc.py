@@ -1,4 +1,6 @@
-"""glibc's allocator, tuned for a process that receives megabyte messages: the coordinator.
+"""glibc's allocator, tuned for processes that move megabyte messages: the coordinator, which
+receives trajectory batches (``tune``), and a rollout engine's process, which sends them
+(``tune_sender``).
 
 Each 1 MiB trajectory batch gRPC hands the coordinator is a fresh ``bytes``. With glibc's
 defaults its memory comes from a new mapping or from the top of the heap, which ``free`` gives
@@ -8,6 +10,13 @@ after gRPC's own. Raising the mmap threshold (allocations below it come from the
 trim threshold (free memory the heap keeps before giving it back) lets the next batch reuse the
 last one's pages: the in-memory coordinator's CPU per GB streamed fell from ~1.3 to ~1.0 s.
 The cost is up to ``TRIM_BYTES`` of freed memory kept by the process.
+
+The sending side has the same churn (each batch is serialized into a fresh ``bytes``), but it is
+a trainer's or an engine's process, whose allocations are mostly torch's; so ``tune_sender``
+stays inside what glibc does by itself: its dynamic mmap threshold rises up to 32 MiB as large
+chunks are freed, with the trim threshold at twice it. It pins the threshold at twice the batch
+size (4 MiB at least, 32 MiB at most) and trim at 64 MiB: in ``bench/scheduler.py``'s stream the
+worker's CPU per GB fell from 0.95-1.05 to 0.67-0.81 s.
 
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment (glibc's own
 tunables) win, and ``ELASTICRL_MALLOC_TUNE=0`` keeps glibc's defaults: then nothing is changed.
@@ -25,6 +34,9 @@ log = logging.getLogger(__name__)
 MMAP_BYTES = 64 << 20
 TRIM_BYTES = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+GLIBC_MMAP_MAX = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX (64-bit): the dynamic threshold's ceiling
+SENDER_MMAP_MIN_BYTES = 4 << 20
+SENDER_TRIM_BYTES = 2 * GLIBC_MMAP_MAX
 
 
 def tune(*, mmap_bytes: int = MMAP_BYTES, trim_bytes: int = TRIM_BYTES) -> bool:
@@ -41,3 +53,14 @@ def tune(*, mmap_bytes: int = MMAP_BYTES, trim_bytes: int = TRIM_BYTES) -> bool:
     if not ok:
         log.debug("mallopt refused the thresholds; keeping the allocator's defaults")
     return ok
+
+
+def sender_thresholds(batch_bytes: int) -> tuple[int, int]:
+    """(mmap, trim) thresholds for a process sending result batches of ``batch_bytes``."""
+    return min(max(SENDER_MMAP_MIN_BYTES, 2 * batch_bytes), GLIBC_MMAP_MAX), SENDER_TRIM_BYTES
+
+
+def tune_sender(batch_bytes: int) -> bool:
+    """For a process that streams result batches (see the module docstring). Returns whether set."""
+    mmap_bytes, trim_bytes = sender_thresholds(batch_bytes)
+    return tune(mmap_bytes=mmap_bytes, trim_bytes=trim_bytes)

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from elasticrl.coordinator import malloc
 from elasticrl.env import EnvError
 from elasticrl.errors import ElasticRLError, RunClosedError
 from elasticrl.rl.rewards import RewardError
@@ -194,6 +195,8 @@ class EngineWorker:
             address, run_id, member_id, None, generate_batch=self._generate_batch, slots=slots, weight=weight,
             token=token, tls_ca=tls_ca, call_timeout_s=call_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
         )
+        # This process now serializes a fresh batch of up to batch_bytes for every send.
+        malloc.tune_sender(self.worker.batch_bytes)
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name=f"rollout-{member_id}", daemon=True)

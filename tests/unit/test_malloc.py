@@ -26,3 +26,21 @@ def test_the_thresholds_are_set_unless_the_environment_says_otherwise():
     assert tuned({"ELASTICRL_MALLOC_TUNE": "1"}) == "True"
     assert tuned({"ELASTICRL_MALLOC_TUNE": "0"}) == "False"
     assert tuned({"MALLOC_TRIM_THRESHOLD_": "1048576"}) == "False"  # glibc's own tunable wins
+
+
+def test_a_sender_stays_within_glibcs_own_dynamic_range():
+    from elasticrl.coordinator.malloc import GLIBC_MMAP_MAX, sender_thresholds
+
+    assert sender_thresholds(1 << 20) == (4 << 20, 64 << 20)  # 4 MiB at least
+    assert sender_thresholds(4 << 20) == (8 << 20, 64 << 20)  # twice the batch (RolloutWorker's default)
+    assert sender_thresholds(1 << 30) == (GLIBC_MMAP_MAX, 64 << 20)  # never past glibc's own ceiling
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_an_engine_worker_process_tunes_its_allocator_as_a_sender():
+    probe = "from elasticrl.coordinator import malloc; print(malloc.tune_sender(4 << 20))"
+    import os
+
+    for env, expected in (({}, "True"), ({"ELASTICRL_MALLOC_TUNE": "0"}, "False")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True, timeout=30, check=True)
+        assert out.stdout.strip() == expected
