@@ -54,6 +54,7 @@ class MemberStream:
         self._keep_alive = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))
         self._ids = itertools.count(1)  # request ids, keep-alives and arrivals alike
         self._outbox: queue.SimpleQueue | None = None  # the open stream's, once it answered
+        self._put: Callable[[pb.SessionRequest], None] | None = None  # how an arrival goes on it
         self._current: queue.SimpleQueue | None = None  # the stream's being opened or open (for wake)
         self._waiting: dict[int, _Answer] = {}
         self._lock = threading.Lock()
@@ -64,11 +65,14 @@ class MemberStream:
         silent meanwhile: send the arrival another way."""
         answer, rid = _Answer(), next(self._ids)
         with self._lock:
-            outbox = self._outbox
-            if outbox is None:
+            put = self._put
+            if put is None:
                 return None
             self._waiting[rid] = answer
-        outbox.put(pb.SessionRequest(id=rid, arrive=request))
+        try:
+            put(pb.SessionRequest(id=rid, arrive=request))
+        except OSError:  # the relay's connection just went
+            answer.done.set()
         answer.done.wait(timeout_s)
         with self._lock:
             self._waiting.pop(rid, None)
@@ -91,6 +95,8 @@ class MemberStream:
                         up = True
                         with self._lock:
                             self._outbox = outbox
+                            # Through a relay the arriving thread writes itself: one thread hop less.
+                            self._put = call.send if isinstance(call, RelayCall) else outbox.put
                     self._answer(call, resp)
                 detail = "the coordinator ended the stream"
             except grpc.RpcError as err:
@@ -167,7 +173,7 @@ class MemberStream:
         """The stream is gone: every arrival waiting on it is answered None (sent again)."""
         with self._lock:
             if self._outbox is outbox:
-                self._outbox = None
+                self._outbox = self._put = None
             waiting, self._waiting = self._waiting, {}
         for answer in waiting.values():
             answer.done.set()

@@ -318,14 +318,23 @@ class RelayCall:
             self._sock.close()
             raise
         self._requests = requests
+        self._send_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write, name="elasticrl-relay-write", daemon=True)
         self._writer.start()
+
+    def send(self, request: pb.SessionRequest) -> None:
+        """Write ``request`` now, from the calling thread (no hand-off to the writer thread, which a
+        gRPC stream's requests need). Raises ``OSError`` if the connection is gone."""
+        data = frame(request.SerializeToString())
+        with self._send_lock:
+            self._sock.sendall(data)
 
     def _write(self) -> None:
         try:
             for request in self._requests:
-                self._sock.sendall(frame(request.SerializeToString()))
-            self._sock.shutdown(socket.SHUT_WR)  # a half-close, as gRPC's end of requests
+                self.send(request)
+            with self._send_lock:
+                self._sock.shutdown(socket.SHUT_WR)  # a half-close, as gRPC's end of requests
         except OSError:
             pass  # the reader sees the connection's end
 
