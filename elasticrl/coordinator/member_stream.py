@@ -10,6 +10,10 @@ answered by its id; while the stream is down (not opened yet, or reopening after
 restarted) it goes as a unary call, as before. Arrivals are idempotent, so one sent again after the
 stream broke counts once.
 
+Under torchrun the stream goes through the node's session relay (``session_relay.py``, run by
+the agent: one stream per node to the coordinator), where the arriving thread writes its arrival
+to the relay's socket itself; a member that cannot reach the relay streams directly.
+
 ``MemberStream.run`` (the member's renewal thread) keeps the stream open until ``stop`` (then
 ``wake``); ``MemberStream.arrive`` (any thread) sends one arrival and waits for its answer.
 """
@@ -48,7 +52,7 @@ class MemberStream:
     def __init__(self, client, run_id: str, member_id: str, incarnation: int, *, period_s: float,
                  stop: threading.Event, on_epoch: Callable[[int], None], relay: str | None = None):
         self.client, self.run_id, self.member_id = client, run_id, member_id
-        self.relay = relay or None  # a node relay's socket (``session_relay.py``): the stream goes through it
+        self.relay = relay or None  # the node's session relay's socket: the stream goes through it
         self._relay_failed = False
         self.period_s, self.stop, self.on_epoch = period_s, stop, on_epoch
         self._keep_alive = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))

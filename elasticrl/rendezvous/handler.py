@@ -419,5 +419,8 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                 ok = False
         if self._relay is not None:
             self._relay.stop()
+            if os.environ.get(RELAY_ENV) == self._relay.path:  # not for workers started later
+                del os.environ[RELAY_ENV]
+                os.environ.pop(RELAY_FOR_ENV, None)
         self._client.close()
         return ok
