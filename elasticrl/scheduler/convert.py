@@ -60,6 +60,17 @@ def task_from_pb(field: str, t: spb.TaskSpec) -> TaskSpec:
     )
 
 
+def task_wire(t: TaskSpec) -> bytes:
+    """``t`` as a serialized ``TaskSpec`` message, built once per spec and kept on it (a spec does
+    not change once submitted): every copy handed out reuses it. Building the message converts the
+    prompt's ids one by one in Python, ~50 ns each: a 2048-token prompt cost ~0.1 ms per
+    assignment."""
+    wire = t.__dict__.get("_wire")
+    if wire is None:
+        wire = t.__dict__["_wire"] = task_to_pb(t).SerializeToString()
+    return wire
+
+
 def task_to_pb(t: TaskSpec) -> spb.TaskSpec:
     s = t.sampling
     return spb.TaskSpec(

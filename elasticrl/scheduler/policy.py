@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import operator
 
 from elasticrl.scheduler.state import Iteration, Policy, TaskStatus, Worker
 
@@ -127,22 +126,17 @@ def expired_holders(it: Iteration, now: float) -> list[tuple[str, str]]:
     ]
 
 
-_STATUS = operator.attrgetter("status")
-
-
 def decide_seal(it: Iteration, now: float) -> tuple[bool, str]:
     """Seal when every task is done or given up (FAILED), or once the deadline passed with
     ``min_fraction`` done. Whether too many failed is the trainer's call (it sees the manifest)."""
     if it.sealed:
         return False, "already sealed"
     total = len(it.tasks)
-    # This runs after every result batch: one C-level pass for the statuses, then two C-level
-    # counts (half the time of two generator passes; 116 us at 4096 tasks here).
-    statuses = list(map(_STATUS, it.tasks.values()))
-    done = statuses.count(TaskStatus.DONE)
+    # This runs after every result batch: counts kept as statuses change, not a pass over the tasks.
+    done = it.count(TaskStatus.DONE)
     if done >= total:
         return True, f"all {total} tasks done"
-    failed = statuses.count(TaskStatus.FAILED)
+    failed = it.count(TaskStatus.FAILED)
     if done + failed >= total:  # nothing more can come: every task is done or given up
         return True, f"all tasks finished: {done}/{total} done, {failed} failed"
     deadline = it.deadline

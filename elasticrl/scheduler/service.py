@@ -32,7 +32,7 @@ from elasticrl.scheduler.convert import (
     manifest_to_pb,
     served_fields_pb,
     task_from_pb,
-    task_to_pb,
+    task_wire,
 )
 from elasticrl.scheduler.state import IterationConfig
 from elasticrl.scheduler.weights import CHUNK_BYTES, WeightStore
@@ -63,10 +63,12 @@ def _weights_wait(have_version: int, wait_s: float) -> float:
 
 def _out_message(item) -> spb.WorkResponse:
     if isinstance(item, Assign):
-        return spb.WorkResponse(assign=spb.Assignments(tasks=[
-            spb.TaskAssignment(iteration=i, task=task_to_pb(t), lease_ms=int(lease * 1000), backup=b)
-            for i, t, lease, b in item.items
-        ]))
+        response = spb.WorkResponse()
+        tasks = response.assign.tasks
+        for i, t, lease, b in item.items:
+            a = tasks.add(iteration=i, lease_ms=int(lease * 1000), backup=b)
+            a.task.MergeFromString(task_wire(t))  # parsed in C from the spec's cached message
+        return response
     if isinstance(item, Cancel):
         return spb.WorkResponse(cancel=spb.CancelTasks(iteration=item.iteration, task_ids=item.task_ids))
     if isinstance(item, Ack):

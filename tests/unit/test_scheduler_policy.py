@@ -294,3 +294,20 @@ def test_oldest_open_skips_sealed_and_orders_by_number_whatever_the_submit_time(
         its.append(it)
     its[3].sealed_at = 2.0
     assert [it.iteration for it in policy.oldest_open(its)] == [1, 2, 3]
+
+
+def test_status_counts_follow_every_change_and_every_table_entry():
+    it = make_iteration(6)
+    assert it.count(TaskStatus.QUEUED) == 6 and it.count(TaskStatus.DONE) == 0
+    it.tasks["t0"].status = TaskStatus.RUNNING
+    it.tasks["t0"].status = TaskStatus.DONE
+    it.tasks["t1"].status = TaskStatus.FAILED
+    it.tasks["t2"].status = TaskStatus.DONE
+    replaced = it.tasks["t2"]
+    it.tasks["t2"] = Task(spec=replaced.spec, seq=replaced.seq)  # a table entry replaced: the old one no longer counts
+    replaced.status = TaskStatus.FAILED
+    it.tasks["t9"] = Task(spec=TaskSpec(task_id="t9", prompt_ids=[1]), seq=9)  # added later, as a restart loads them
+    it.tasks["t9"].status = TaskStatus.DROPPED
+    recount = collections.Counter(t.status for t in it.tasks.values())
+    assert {s: it.count(s) for s in TaskStatus} == {s: recount[s] for s in TaskStatus}
+    assert (it.count(TaskStatus.DONE), it.count(TaskStatus.FAILED), it.count(TaskStatus.QUEUED)) == (1, 1, 4)
