@@ -111,12 +111,16 @@ def sort_results(
 
 
 def _queued_left(it: Iteration, picked: list[tuple[str, bool]]) -> bool:
+    if not it.count(TaskStatus.QUEUED):
+        return False
     taken = {task_id for task_id, _ in picked}
     return any(t.status is TaskStatus.QUEUED and t.spec.task_id not in taken for t in it.tasks.values())
 
 
 def expired_holders(it: Iteration, now: float) -> list[tuple[str, str]]:
     """(task id, member id) of every running copy whose task lease has passed."""
+    if not it.count(TaskStatus.RUNNING):  # it runs every tick, for every open iteration
+        return []
     return [
         (task.spec.task_id, member_id)
         for task in it.tasks.values()
