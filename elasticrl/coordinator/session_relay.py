@@ -59,6 +59,8 @@ FOR_ENV = "ELASTICRL_SESSION_RELAY_FOR"
 _HEADER = struct.Struct(">I")
 MAX_REQUEST_BYTES = 1 << 20
 """A member's request frame is at most this long (they are tens of bytes); longer ends its connection."""
+MAX_SOCKET_DIR_BYTES = 90
+"""A Unix socket's path is at most 107 bytes on Linux: a longer temp dir gives way to /tmp."""
 MAX_BUFFERED_BYTES = 16 << 20
 """Answers a member has not read: past this the relay drops its connection (it reopens)."""
 
@@ -260,6 +262,9 @@ class RelayThread:
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: str | None = None, start_timeout_s: float = 10.0):
         self.directory = tempfile.mkdtemp(prefix="elasticrl-relay-")  # mode 0700
+        if len(os.fsencode(self.directory)) > MAX_SOCKET_DIR_BYTES:  # a long $TMPDIR (a cluster's job dir)
+            os.rmdir(self.directory)
+            self.directory = tempfile.mkdtemp(prefix="elasticrl-relay-", dir="/tmp")
         self.path = os.path.join(self.directory, "session.sock")
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()

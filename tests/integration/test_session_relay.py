@@ -220,3 +220,22 @@ def test_a_torchrun_agent_runs_a_relay_for_its_workers_unless_told_not_to(coordi
     off = ElasticRLRendezvousHandler.from_params(RendezvousParameters("elasticrl", coord.address, "ag", 1, 1, session_relay="false"))
     assert off._relay is None and ENV not in os.environ
     off.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_under_a_long_tmpdir_puts_its_socket_where_a_socket_fits(coordinator_factory, tmp_path, monkeypatch):
+    import tempfile
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))  # as $TMPDIR would
+    coord = coordinator_factory(lease_ttl_s=30.0)
+    relay = RelayThread(coord.address)
+    try:
+        assert len(os.fsencode(relay.path)) < 108 and not relay.path.startswith(str(deep))
+        with CoordinatorClient(coord.address, call_timeout_s=5) as client:
+            m = Membership(client, "long", "a", relay=relay.path)
+            assert m.streaming.wait(10) and relay.streams_opened == 1
+            m.leave()
+    finally:
+        relay.stop()
