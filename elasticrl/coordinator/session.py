@@ -307,8 +307,6 @@ async def _read(requests, out: asyncio.Queue, arrivals: StreamArrivals, members:
                     kind = inner.WhichOneof("op")
                     if kind == "arrive":
                         waiting.append((inner.id, inner.arrive))
-                    elif kind == "detach":
-                        await _detach(inner, out, members, error, core)
                     else:
                         await _op(inner, kind, out, members, keep_alive, error, core, inner=True)
                 if waiting:
@@ -317,8 +315,6 @@ async def _read(requests, out: asyncio.Queue, arrivals: StreamArrivals, members:
                 state.said_close = True
             elif op == "arrive":
                 await arrivals.arrive([(request.id, request.arrive)])
-            elif op == "detach":
-                await _detach(request, out, members, error, core)
             else:
                 await _op(request, op, out, members, keep_alive, error, core, inner=False)
         await arrivals.drained()
@@ -331,8 +327,11 @@ async def _read(requests, out: asyncio.Queue, arrivals: StreamArrivals, members:
 
 async def _op(request: pb.SessionRequest, op: str | None, out: asyncio.Queue, members: set, keep_alive, error,
               core: CoordinatorCore, *, inner: bool) -> None:
-    """A keep-alive, alone or from a batch (``inner``); anything else but an arrival is an error."""
-    if op == "keep_alive":
+    """A keep-alive or a relay's detach, alone or from a batch (``inner``); anything else but an
+    arrival is an error."""
+    if op == "detach":
+        await _detach(request, out, members, error, core)
+    elif op == "keep_alive":
         # Waits while ``out`` is full: the next request is read only when there is room.
         response = keep_alive(request.id, request.keep_alive)
         if not response.HasField("error"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -301,11 +302,10 @@ class RelayThread:
             asyncio.run_coroutine_threadsafe(self._relay.close(), self._loop).result(timeout_s)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout_s)
-        for name in (self.path, self.directory):
-            try:
-                os.unlink(name) if name == self.path else os.rmdir(name)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)
 
 
 class RelayCall:
