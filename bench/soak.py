@@ -142,6 +142,8 @@ def run(args, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
         raise BenchError("; ".join(errors))
     done = int(client.kv_get(BARRIER_RUN, [b"count-m0"])[0] or 0)
     rss, peak = process_rss_mb(pid)
+    client.close()
+    coord.stop()  # it holds its database's lock while it runs (persist.py): read the file after
     by_iteration = {s["iteration"]: s["rss_mb"] for s in samples}
     early = by_iteration.get(min(100, args.iterations), samples[0]["rss_mb"])
     return {

@@ -223,6 +223,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
     from elasticrl.coordinator import malloc
+    from elasticrl.coordinator.persist import StateDirInUseError
     from elasticrl.coordinator.server import CoordinatorConfig, serve
 
     try:
@@ -251,7 +252,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         )
         malloc.tune()
         asyncio.run(serve(config))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, StateDirInUseError) as exc:
         print(f"elasticrl coordinator: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -230,6 +230,8 @@ def test_port_in_use_and_bad_flags_fail_with_a_clear_message(coordinator, tmp_pa
         (["--port", "0", "--token-file", str(tmp_path / "missing")], "token_file: cannot read"),
         (["--port", "0", "--tls-cert", "cert.pem"], "tls_cert and tls_key go together"),
         (["--port", "0", "--max-kv-value-bytes", "0"], "max_kv_value_bytes: 0 must be between 1 and"),
+        # A second coordinator on a live one's state dir would write the same database.
+        (["--port", "0", "--state-dir", str(coordinator.state_dir)], "the state database is locked"),
     ]
     for args, message in cases:
         out = subprocess.run(base + args, capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -27,8 +27,11 @@ class Clock:
         return self.now
 
 
-def restarted(path, clock) -> CoordinatorCore:
-    """A new core on the same SQLite file: what a coordinator restarted after ``kill -9`` loads."""
+def restarted(path, clock, crashed: CoordinatorCore | None = None) -> CoordinatorCore:
+    """A new core on the same SQLite file: what a coordinator restarted after ``kill -9`` loads.
+    ``crashed``'s database is closed first, as a dead process's lock is dropped."""
+    if crashed is not None:
+        crashed.db.close()
     return CoordinatorCore(StateDB(path), lease_ttl_s=5.0, clock=clock)
 
 
@@ -39,7 +42,7 @@ def test_retried_kv_add_after_a_restart_adds_once(tmp_path):
     clock = Clock()
     core = restarted(tmp_path / "s.db", clock)
     assert core.kv_add("r", b"n", 1, request_id="add-1") == 1
-    core = restarted(tmp_path / "s.db", clock)  # the reply was lost in the crash; the client retries
+    core = restarted(tmp_path / "s.db", clock, core)  # the reply was lost in the crash; the client retries
     assert core.kv_add("r", b"n", 1, request_id="add-1") == 1
     assert core.kv_get("r", [b"n"])[0] == [b"1"]
     assert core.kv_add("r", b"n", 1, request_id="add-2") == 2  # a new call is a new call
@@ -49,7 +52,7 @@ def test_retried_compare_set_reports_its_own_swap(tmp_path):
     clock = Clock()
     core = restarted(tmp_path / "s.db", clock)
     assert core.kv_compare_set("r", b"k", b"", b"A", request_id="cas-1") == (b"A", True)
-    core = restarted(tmp_path / "s.db", clock)
+    core = restarted(tmp_path / "s.db", clock, core)
     assert core.kv_compare_set("r", b"k", b"", b"A", request_id="cas-1") == (b"A", True)
 
 
@@ -66,13 +69,13 @@ def test_retried_join_and_leave_apply_once(tmp_path):
     clock = Clock()
     core = restarted(tmp_path / "s.db", clock)
     a, epoch = core.join("r", "a", request_id="join-a")
-    core = restarted(tmp_path / "s.db", clock)
+    core = restarted(tmp_path / "s.db", clock, core)
     again, epoch_again = core.join("r", "a", request_id="join-a")
     assert (again.incarnation, epoch_again) == (a.incarnation, epoch)
     assert core.runs["r"].epoch == epoch  # not bumped by the retry, no orphaned incarnation
     assert core.check_member("r", "a", a.incarnation).live
     left = core.leave("r", "a", a.incarnation, request_id="leave-a")
-    core = restarted(tmp_path / "s.db", clock)
+    core = restarted(tmp_path / "s.db", clock, core)
     assert core.leave("r", "a", a.incarnation, request_id="leave-a") == left  # not FencedError
 
 
@@ -230,6 +233,7 @@ def test_a_resent_batch_gets_its_first_ack_after_a_restart(tmp_path):
     w = h.worker("a", slots=3)
     (t0, t1, t2) = assigned(drain(w))
     first, _ = h.sched.accept(w, [(1, group(t0)), (1, group(t1))], "batch-1")
+    h.coord.db.close()
     h2 = Harness(state_dir=tmp_path, clock=h.clock)  # the coordinator restarted before the ack left
     h2.incarnations = dict(h.incarnations)
     w2 = h2.worker("a", slots=3)

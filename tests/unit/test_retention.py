@@ -40,6 +40,7 @@ def test_only_the_newest_decided_barriers_are_kept_and_reloaded(tmp_path):
     asyncio.run(asyncio.wait_for(arrive_all(), 5))
     assert list(core.runs["r"].barriers) == [f"b{i}" for i in range(15, 20)]
     assert rows(core, "barriers") == 5
+    core.db.close()  # as a stopped process does
     again = CoordinatorCore(StateDB(tmp_path / "s.db"), clock=clock, limits=limits)
     assert list(again.runs["r"].decided) == [f"b{i}" for i in range(15, 20)]
     result = asyncio.run(asyncio.wait_for(again.arrive("r", "a", a.incarnation, "b19", timeout_s=10), 5))
@@ -78,6 +79,7 @@ def test_only_the_newest_sealed_iterations_are_kept(tmp_path):
     with pytest.raises(NotFoundError, match="--keep-iterations"):
         h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)
     assert len(h.sched.shard(RUN, 8, 0, 1, Split.TRAIN)) == 2  # read back from its shard
+    h.coord.db.close()  # as a stopped process does
     again = Harness(state_dir=tmp_path, clock=h.clock)
     assert sorted(again.sched.iterations[RUN]) == [8, 9, 10]
 
