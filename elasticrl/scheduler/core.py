@@ -93,6 +93,9 @@ class SchedulerCore(ResultBook):
         self.conns: dict[str, dict[str, WorkerConn]] = collections.defaultdict(dict)
         self._seal_signals = Signals()
         self._dispatched_at: dict[str, float] = {}
+        # Iterations whose assignment counts changed since SQLite last got their counters
+        # (``_dispatch``); ``save_counters`` writes them at the next tick.
+        self._unsaved: dict[tuple[str, int], Iteration] = {}
         # Batch id -> its batch between ``decide`` and ``commit`` (a re-sent copy waits for it).
         self._deciding: dict[str, Decided] = {}
         now = self.clock()
@@ -374,10 +377,8 @@ class SchedulerCore(ResultBook):
                         touched[it.iteration] = it
                         progress = True
                         break
-        if touched:
-            with self.db.tx():  # assignment counts and backups survive a restart too
-                for it in touched.values():
-                    self.db.put_counters(it)
+        for it in touched.values():  # the counts reach SQLite with the next tick (save_counters)
+            self._unsaved[(run_id, it.iteration)] = it
         for conn in conns:
             items = batches.get(id(conn))
             if items:
@@ -415,7 +416,23 @@ class SchedulerCore(ResultBook):
 
     # -- time: task leases and deadlines -------------------------------------------------------
 
+    def save_counters(self) -> None:
+        """Write the counters of the iterations that tasks were handed out of since the last call,
+        in one transaction. Assignments are not otherwise stored (a restarted coordinator queues
+        unfinished tasks again), so their counts (``assigned``, ``backups_issued``) need not
+        commit on the path of every result batch, which costs a transaction of its own: they
+        ride along with the batch's own commit when one follows, and reach SQLite at the next tick
+        (``--tick``, 50 ms) otherwise. A crash loses at most one tick's counts, never a result."""
+        if not self._unsaved:
+            return
+        unsaved, self._unsaved = self._unsaved, {}
+        with self.db.tx() as db:
+            for (run_id, iteration), it in unsaved.items():
+                if self.iterations.get(run_id, {}).get(iteration) is it:  # not dropped meanwhile
+                    db.put_counters(it)
+
     def tick(self) -> None:
+        self.save_counters()
         now = self.clock()
         for conns in self.conns.values():
             for conn in conns.values():

@@ -10,8 +10,8 @@ files for the same reason.
 
 ``Recycler`` keeps up to ``max_files`` files and ``max_bytes`` bytes under ``<root>/.recycle``.
 ``retire`` (the store's reaper thread) moves dropped shards there and deletes what does not fit;
-``take`` (the shard writer's thread) hands one out, which ``store.atomic_write`` renames to its temp
-name, overwrites and truncates. Nothing reads a retired file: shards are read on the event loop,
+``take`` (the shard writer's thread) hands one out, which ``store.atomic_write`` overwrites and
+truncates where it lies, then renames into place. Nothing reads a retired file: shards are read on the event loop,
 which forgot the iteration before dropping it. A process that stops leaves the directory as it
 is; the next one deletes it at start-up.
 """
@@ -48,6 +48,10 @@ class Recycler:
     def retire(self, paths: list[pathlib.Path]) -> None:
         """Keep ``paths`` for reuse while there is room, delete the rest (files that are gone
         already are skipped)."""
+        try:
+            self.dir.mkdir(exist_ok=True)
+        except OSError:
+            pass  # then each rename below fails, and its file is deleted instead
         for path in paths:
             try:
                 size = path.stat().st_size
@@ -60,7 +64,6 @@ class Recycler:
             if keep:
                 target = self.dir / f"{next(self._names):012d}"
                 try:
-                    self.dir.mkdir(exist_ok=True)
                     os.rename(path, target)
                 except OSError:
                     with self._lock:

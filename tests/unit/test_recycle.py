@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 
 from elasticrl.scheduler import recycle
@@ -72,3 +75,33 @@ def test_a_start_up_deletes_a_previous_process_s_retired_files_and_reads_no_run_
     again = TrajectoryStore(tmp_path)
     assert list((tmp_path / recycle.DIRECTORY).iterdir()) == [] and len(again.recycler) == 0
     assert again.remove_dropped(set()) == []
+
+
+def test_a_recycled_file_is_overwritten_where_it_lies_and_renamed_into_place_once(tmp_path, monkeypatch):
+    s, small = store_with_a_retired_shard(tmp_path)
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "rename", lambda *a: renames.append(a) or pytest.fail("no rename before the write"))
+    monkeypatch.setattr(os, "replace", lambda src, dst: renames.append((src, dst)) or real_replace(src, dst))
+    name = s.write_shard(RUN, 2, small)
+    [(src, dst)] = renames
+    assert pathlib.Path(src).parent == tmp_path / recycle.DIRECTORY and dst == s.iteration_dir(RUN, 2) / name
+    assert not list(s.iteration_dir(RUN, 2).glob("*.tmp"))
+
+
+def test_a_write_that_fails_into_a_recycled_file_leaves_no_shard_and_drops_the_file(tmp_path, monkeypatch):
+    import errno
+
+    from elasticrl.scheduler import store
+
+    s, small = store_with_a_retired_shard(tmp_path)
+
+    def disk_full(fd, buffers):
+        os.write(fd, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_write_all", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        s.write_shard(RUN, 2, small)
+    assert s.shard_names(RUN, 2) == set() and not list(s.iteration_dir(RUN, 2).iterdir())
+    assert list((tmp_path / recycle.DIRECTORY).iterdir()) == []  # half overwritten: not kept

@@ -558,6 +558,38 @@ def test_shard_refuses_before_seal_then_balances_every_done_group_once():
 # -- persistence ----------------------------------------------------------------------------------------
 
 
+def stored_counters(h: Harness, iteration: int = 1) -> dict:
+    row = h.coord.db.connection.execute(
+        "SELECT counters FROM sched_iterations WHERE run_id=? AND iteration=?", (RUN, iteration)).fetchone()
+    return json.loads(row[0])
+
+
+def test_assignment_counts_reach_sqlite_at_the_next_tick_and_a_result_batch_commits_once(tmp_path, monkeypatch):
+    h = Harness(state_dir=tmp_path)
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(4), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 1)
+    assert stored_counters(h)["nodes"] == {}  # handed out, not written on the dispatch's path
+    h.sched.tick()
+    assert stored_counters(h)["nodes"]["a"]["assigned"] == 2
+    commits = []
+    real_tx = h.coord.db.tx
+
+    def counting_tx():
+        commits.append(h.coord.db._depth == 0)  # an outermost transaction: a commit of its own
+        return real_tx()
+
+    monkeypatch.setattr(h.coord.db, "tx", counting_tx)
+    ack, _ = accept(h, a, "t00", "t01")  # frees two slots: t02 and t03 go out in the same call
+    assert ack.accepted == 2 and assigned(drain(a)) == ids(2, 3)
+    assert commits.count(True) == 1  # the batch's own; the new assignments wait for the tick
+    assert stored_counters(h)["nodes"]["a"]["done"] == 2
+    h.sched.tick()
+    assert stored_counters(h)["nodes"]["a"]["assigned"] == 4
+    h.sched.tick()
+    assert commits.count(True) == 2  # nothing new to write: no transaction
+
+
 def test_restart_keeps_done_groups_requeues_the_rest_and_still_seals(tmp_path):
     clock1 = Clock(now=1000.0)
     h1 = Harness(clock=clock1, state_dir=tmp_path)
