@@ -139,16 +139,18 @@ class SubmitIterationResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., num_tasks: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("run_id", "member", "slots", "weight")
+    __slots__ = ("run_id", "member", "slots", "weight", "combined_acks")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    COMBINED_ACKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     member: _coordinator_pb2.MemberRef
     slots: int
     weight: float
-    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    combined_acks: bool
+    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ..., combined_acks: _Optional[bool] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
     __slots__ = ("groups", "batch_id")
@@ -227,14 +229,16 @@ class ResultAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedResult, _Mapping]]] = ...) -> None: ...
 
 class WorkResponse(_message.Message):
-    __slots__ = ("assign", "cancel", "ack")
+    __slots__ = ("assign", "cancel", "ack", "acks")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
     assign: Assignments
     cancel: CancelTasks
     ack: ResultAck
-    def __init__(self, assign: _Optional[_Union[Assignments, _Mapping]] = ..., cancel: _Optional[_Union[CancelTasks, _Mapping]] = ..., ack: _Optional[_Union[ResultAck, _Mapping]] = ...) -> None: ...
+    acks: _containers.RepeatedCompositeFieldContainer[ResultAck]
+    def __init__(self, assign: _Optional[_Union[Assignments, _Mapping]] = ..., cancel: _Optional[_Union[CancelTasks, _Mapping]] = ..., ack: _Optional[_Union[ResultAck, _Mapping]] = ..., acks: _Optional[_Iterable[_Union[ResultAck, _Mapping]]] = ...) -> None: ...
 
 class NodeCounts(_message.Message):
     __slots__ = ("node", "assigned", "done", "running", "refused", "tokens", "tasks_per_s", "slots", "evicted")

@@ -22,8 +22,8 @@ from elasticrl.coordinator.replies import request_id
 from elasticrl.coordinator.service import abort_with, add_service, guarded, optional_member
 from elasticrl.coordinator.wire import MAX_MESSAGE_BYTES
 from elasticrl.errors import CoordinatorTimeoutError, InternalError, InvalidRequestError
-from elasticrl.scheduler import framing
-from elasticrl.scheduler.core import Ack, Assign, Cancel, End, SchedulerCore, WorkerConn
+from elasticrl.scheduler import framing, outbox
+from elasticrl.scheduler.core import End, SchedulerCore, WorkerConn
 from elasticrl.scheduler.results import ResultPipeline
 from elasticrl.scheduler.convert import (
     POLICY_FROM_PB,
@@ -32,7 +32,6 @@ from elasticrl.scheduler.convert import (
     manifest_to_pb,
     served_fields_pb,
     task_from_pb,
-    task_wire,
 )
 from elasticrl.scheduler.state import IterationConfig
 from elasticrl.scheduler.weights import CHUNK_BYTES, WeightStore
@@ -59,24 +58,6 @@ def _weights_wait(have_version: int, wait_s: float) -> float:
     if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_WEIGHTS_WAIT_S:
         raise InvalidRequestError(f"wait_s: {wait_s!r} must be in 0..{MAX_WEIGHTS_WAIT_S:g} seconds (repeat the call to wait longer)")
     return wait_s
-
-
-def _out_message(item) -> spb.WorkResponse:
-    if isinstance(item, Assign):
-        response = spb.WorkResponse()
-        tasks = response.assign.tasks
-        for i, t, lease, b in item.items:
-            a = tasks.add(iteration=i, lease_ms=int(lease * 1000), backup=b)
-            a.task.MergeFromString(task_wire(t))  # parsed in C from the spec's cached message
-        return response
-    if isinstance(item, Cancel):
-        return spb.WorkResponse(cancel=spb.CancelTasks(iteration=item.iteration, task_ids=item.task_ids))
-    if isinstance(item, Ack):
-        return spb.WorkResponse(ack=spb.ResultAck(
-            accepted=item.accepted,
-            refused=[spb.RefusedResult(iteration=i, task_id=t, reason=r) for i, t, r in item.refused],
-        ))
-    raise TypeError(f"no message for {item!r}")
 
 
 class SchedulerServicer(spb_grpc.SchedulerServicer):
@@ -264,9 +245,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         await context.send_initial_metadata(())
         reader = asyncio.create_task(self._read(conn, requests), name=f"work-read-{conn.worker.member_id}")
         reason = "stream ended"
+        writer = outbox.Writer(conn)
         try:
             while True:
-                item = await conn.outbox.get()
+                item = await writer.next()
                 if isinstance(item, End):
                     if item.error is None:
                         return
@@ -274,7 +256,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     if isinstance(item.error, grpc.aio.AbortError):
                         raise item.error
                     await abort_with(context, item.error)
-                yield _out_message(item)
+                yield item
         finally:
             reader.cancel()
             # Always abrupt: a killed worker's reset often reads as a half-close here. A worker
@@ -292,7 +274,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         if not 1 <= h.slots <= MAX_SLOTS:
             raise InvalidRequestError(f"hello.slots: {h.slots} must be in 1..{MAX_SLOTS} (tasks the engine runs at once)")
         weight = v.weight("hello.weight", h.weight)
-        return self.core.connect(run_id, member_id, incarnation, slots=h.slots, weight=weight)
+        conn = self.core.connect(run_id, member_id, incarnation, slots=h.slots, weight=weight)
+        conn.combined_acks = h.combined_acks
+        return conn
 
     async def _read(self, conn: WorkerConn, requests) -> None:
         try:

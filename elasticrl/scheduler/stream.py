@@ -52,6 +52,8 @@ class WorkerConn:
         self.fenced_at: float | None = None
         self.draining = False
         """The worker said it is stopping (``RELEASE_STOPPING``): nothing more is handed to it."""
+        self.combined_acks = False
+        """Its hello said it reads acks merged with assignments (``outbox.Writer``)."""
         self.pending: collections.deque[Decided] = collections.deque()
         """Result batches decided and not yet committed, in arrival order (their acks go out in it)."""
 

@@ -261,7 +261,7 @@ class RolloutWorker:
         stream ends. Returns (whether it was up, why it ended) if a new stream may help; raises
         the mapped error (``FencedError``...) if not."""
         outbox: asyncio.Queue = asyncio.Queue()
-        hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight)
+        hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight, combined_acks=True)
         hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
         outbox.put_nowait(spb.WorkRequest(hello=hello))
         work = self._client._channel.stream_stream(
@@ -281,6 +281,8 @@ class RolloutWorker:
                 for request in self.unacked:  # the coordinator may not have stored them
                     outbox.put_nowait(request)
             async for resp in call:
+                for ack in resp.acks:  # sent with an assignment (or several together), oldest first
+                    self._ack(ack)
                 kind = resp.WhichOneof("kind")
                 if kind == "assign":
                     self._start(executor, list(resp.assign.tasks))
@@ -291,12 +293,7 @@ class RolloutWorker:
                             a.cancelled.set()
                             self.stats.cancelled += 1
                 elif kind == "ack":
-                    if self.unacked:
-                        self.unacked.popleft()
-                    self.stats.accepted += resp.ack.accepted
-                    for r in resp.ack.refused:
-                        self.stats.refused[r.reason.split(":")[0]] += 1
-                    self._acked.set()
+                    self._ack(resp.ack)
             return up, "the coordinator ended the stream"
         except grpc.RpcError as err:
             if worth_reopening(err):
@@ -311,6 +308,15 @@ class RolloutWorker:
         finally:
             self._outbox = None
             outbox.put_nowait(None)
+
+    def _ack(self, ack: spb.ResultAck) -> None:
+        """The oldest unacknowledged batch is stored (acks come in batch order)."""
+        if self.unacked:
+            self.unacked.popleft()
+        self.stats.accepted += ack.accepted
+        for r in ack.refused:
+            self.stats.refused[r.reason.split(":")[0]] += 1
+        self._acked.set()
 
     # -- tasks and results ---------------------------------------------------------------------
 
