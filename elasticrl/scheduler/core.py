@@ -425,11 +425,15 @@ class SchedulerCore(ResultBook):
         (``--tick``, 50 ms) otherwise. A crash loses at most one tick's counts, never a result."""
         if not self._unsaved:
             return
-        unsaved, self._unsaved = self._unsaved, {}
-        with self.db.tx() as db:
-            for (run_id, iteration), it in unsaved.items():
-                if self.iterations.get(run_id, {}).get(iteration) is it:  # not dropped meanwhile
-                    db.put_counters(it)
+        try:
+            with self.db.tx() as db:
+                for (run_id, iteration), it in self._unsaved.items():
+                    if self.iterations.get(run_id, {}).get(iteration) is it:  # not dropped meanwhile
+                        db.put_counters(it)
+        except Exception as exc:  # noqa: BLE001 - a full disk, say: the counts stay in memory, tried again next tick
+            log.warning("scheduler: could not save assignment counts (%s); trying again at the next tick", exc)
+            return
+        self._unsaved.clear()
 
     def tick(self) -> None:
         self.save_counters()

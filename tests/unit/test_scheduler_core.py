@@ -590,6 +590,25 @@ def test_assignment_counts_reach_sqlite_at_the_next_tick_and_a_result_batch_comm
     assert commits.count(True) == 2  # nothing new to write: no transaction
 
 
+def test_assignment_counts_that_could_not_be_saved_are_saved_by_a_later_tick_which_goes_on_meanwhile(tmp_path, monkeypatch):
+    h = Harness(state_dir=tmp_path)
+    a = h.worker("a", slots=1)
+    h.sched.submit(RUN, 1, specs(2), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0)
+    real = h.sched.db.put_counters
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(h.sched.db, "put_counters", disk_full)
+    h.advance(5.0, alive=("a",))  # a tick that cannot save: no exception, the rest of it runs
+    assert stored_counters(h)["nodes"] == {}
+    monkeypatch.setattr(h.sched.db, "put_counters", real)
+    h.advance(6.0, alive=("a",))  # t00's lease expired: requeued, and the counts are saved
+    assert h.it().tasks["t00"].requeues == 1
+    assert stored_counters(h)["nodes"]["a"]["assigned"] == 1
+
+
 def test_restart_keeps_done_groups_requeues_the_rest_and_still_seals(tmp_path):
     clock1 = Clock(now=1000.0)
     h1 = Harness(clock=clock1, state_dir=tmp_path)
