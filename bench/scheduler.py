@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "one within a bench run (default: %(default)s)")
     g.add_argument("--raw-malloc", choices=("tuned", "default"), default="tuned", help="the raw sink's allocator: tuned as the "
                    "coordinator's process tunes it (coordinator/malloc.py), or glibc's defaults (the baseline before that tuning) (default: %(default)s)")
+    g.add_argument("--stream-pin", action="store_true", help="pin every receiving server (raw sink, coordinator) to CPU 0 and its "
+                   "sender (raw sender, worker) to CPU 1, all their threads: what a receiver sustains on one core of its own, as on "
+                   "separate hosts, instead of two processes sharing the host's cores (needs 2 CPUs)")
     g.add_argument("--stream-repeats", type=int, default=5, help="measured iterations (and raw streams) per mode, after the warm-up; the median is reported (default: %(default)s)")
     g.add_argument("--stream-warmup", type=int, default=3, help="unmeasured iterations (and raw streams) per mode first: 3 is until a "
                    "coordinator frees an old iteration's trajectories at each seal (it keeps the newest 2), as it does for the rest of a "
@@ -148,6 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     group_bytes = a.stream_samples * a.stream_tokens * 8
     if not group_bytes <= a.stream_batch_bytes < (64 << 20):
         parser.error(f"--stream-batch-bytes: {a.stream_batch_bytes} must hold one group ({group_bytes} B) and stay below the 64 MiB message limit")
+    if a.stream_pin and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--stream-pin: needs 2 CPUs, this process may use " + str(len(os.sched_getaffinity(0))))
     if a.stream_warmup < 0:
         parser.error(f"--stream-warmup: {a.stream_warmup} must be >= 0")
     if a.stream_keep_iterations < 2:
@@ -163,6 +168,16 @@ def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+RECEIVER_CPU, SENDER_CPU = 0, 1
+
+
+def pin(pid: int, cpu: int) -> None:
+    """``--stream-pin``: every thread of ``pid`` on ``cpu`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), {sorted(os.sched_getaffinity(0))[cpu]})
 
 
 class RawStream:
@@ -195,6 +210,9 @@ class RawStream:
             if isinstance(exc, CoordinatorStartError):
                 raise BenchError(f"raw sink: {exc}") from None
             raise
+        if a.stream_pin:
+            pin(self.sink.pid, RECEIVER_CPU)
+            pin(self.sender.pid, SENDER_CPU)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -256,6 +274,9 @@ class CoordinatorStream:
             self.coord.stop()
             raise
         self.worker_pid = self.workers.workers[0].proc.pid
+        if a.stream_pin:
+            pin(self.coord.proc.pid, RECEIVER_CPU)
+            pin(self.worker_pid, SENDER_CPU)
         self.profiling: list = []
 
     def round(self, rep: int) -> None:
@@ -450,6 +471,8 @@ def render(doc: dict) -> str:
                 "nothing parsed, nothing stored, no slots bounding what is in flight (an upper bound); its allocator "
                 + ("tuned as the coordinator's (coordinator/malloc.py)." if a.get("raw_malloc", "tuned") == "tuned"
                    else "at glibc's defaults (--raw-malloc default), the coordinator's tuned."),
+                *(["--stream-pin: each server (raw sink, coordinator) on a core of its own, its sender on the other."]
+                  if a.get("stream_pin") else []),
                 f"coordinators keep {a['stream_keep_iterations']} sealed iterations (--keep-iterations), so each seal frees an old one's "
                 "memory and shard files once warm.",
                 "cpu s/GB: CPU seconds per GB streamed of the receiving server (coordinator / raw sink) and of the sender (worker / raw sender); "
