@@ -11,9 +11,9 @@ files for the same reason.
 ``Recycler`` keeps up to ``max_files`` files and ``max_bytes`` bytes under ``<root>/.recycle``.
 ``retire`` (the store's reaper thread) moves dropped shards there and deletes what does not fit;
 ``take`` (the shard writer's thread) hands one out, which ``store.atomic_write`` overwrites and
-truncates where it lies, then renames into place. Nothing reads a retired file: shards are read on the event loop,
-which forgot the iteration before dropping it. A process that stops leaves the directory as it
-is; the next one deletes it at start-up.
+truncates where it lies, then renames into place. Nothing reads a retired file: shards are read
+on the event loop, which forgot the iteration before dropping it. A process that stops leaves
+the directory as it is; the next one deletes it at start-up.
 """
 
 from __future__ import annotations
