@@ -1,9 +1,9 @@
-"""The scheduler's durable state: two tables in the coordinator's SQLite database.
+"""The scheduler's durable state: tables in the coordinator's SQLite database.
 
 They share ``StateDB``'s connection and transactions, so a change that touches membership and
 tasks together commits together. What is stored: each iteration's config, submit wall time,
-counters and seal; each task's spec, requeue count, and (once accepted) who completed it and the
-shard that holds its group; failed attempts per task. Which worker runs which task is not stored: after a restart every
+counters and seal; each node's stats per iteration; each task's spec, requeue count, and (once
+accepted) who completed it and the shard that holds its group; failed attempts per task. Which worker runs which task is not stored: after a restart every
 unfinished task is queued again and workers reconnect (their late results are still accepted
 once). JSON columns, no pickle.
 """
@@ -38,6 +38,9 @@ CREATE TABLE IF NOT EXISTS sched_tasks (
     run_id TEXT NOT NULL, iteration INTEGER NOT NULL, task_id TEXT NOT NULL, seq INTEGER NOT NULL,
     spec TEXT NOT NULL, requeues INTEGER NOT NULL, done_by TEXT NOT NULL, shard TEXT NOT NULL,
     PRIMARY KEY (run_id, iteration, task_id));
+CREATE TABLE IF NOT EXISTS sched_nodes (
+    run_id TEXT NOT NULL, iteration INTEGER NOT NULL, member_id TEXT NOT NULL, stats TEXT NOT NULL,
+    PRIMARY KEY (run_id, iteration, member_id));
 CREATE TABLE IF NOT EXISTS sched_task_failures (
     run_id TEXT NOT NULL, iteration INTEGER NOT NULL, task_id TEXT NOT NULL, failures INTEGER NOT NULL,
     PRIMARY KEY (run_id, iteration, task_id));
@@ -79,11 +82,21 @@ class SchedulerDB:
         )
 
     def put_counters(self, it: Iteration, counters: Counters | None = None, nodes: dict[str, NodeStats] | None = None) -> None:
-        """``it``'s counters and node stats; ``counters``/``nodes`` stand in for (some of) them, for
-        a change that reaches memory only once this transaction committed."""
+        """``it``'s counters, and the stats of ``nodes`` (member id -> stats), or of all its nodes
+        when None. ``counters``/``nodes`` may stand in for memory, for a change that reaches
+        memory only once this transaction committed. A node's stats are a row of their own, so a
+        result batch rewrites its own node's, not every node's (at 512 workers that was a ~45 KB
+        JSON encoded and written per batch)."""
         self._conn.execute(
             "UPDATE sched_iterations SET counters=? WHERE run_id=? AND iteration=?",
-            (_counters_json(it, counters, nodes), it.run_id, it.iteration),
+            (_counters_json(it, counters), it.run_id, it.iteration),
+        )
+        self._put_nodes(it, it.nodes if nodes is None else nodes)
+
+    def _put_nodes(self, it: Iteration, nodes: dict[str, NodeStats]) -> None:
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO sched_nodes VALUES (?, ?, ?, ?)",
+            [(it.run_id, it.iteration, m, _node_json(n)) for m, n in nodes.items()],
         )
 
     def put_done(self, it: Iteration, task_ids: list[str], done_by: str, shard: str) -> None:
@@ -103,7 +116,7 @@ class SchedulerDB:
         """Forget these iterations of ``run_id`` (retention), or all of its iterations (None)."""
         where, args = ("run_id=?", [(run_id,)]) if iterations is None else (
             "run_id=? AND iteration=?", [(run_id, i) for i in iterations])
-        for table in ("sched_iterations", "sched_tasks", "sched_task_failures"):
+        for table in ("sched_iterations", "sched_tasks", "sched_nodes", "sched_task_failures"):
             self._conn.executemany(f"DELETE FROM {table} WHERE {where}", args)
 
     def put_requeue(self, it: Iteration, task: Task) -> None:
@@ -123,6 +136,7 @@ class SchedulerDB:
             "UPDATE sched_iterations SET sealed=1, seal_reason=?, elapsed_s=?, counters=? WHERE run_id=? AND iteration=?",
             (reason, elapsed_s, _counters_json(it), it.run_id, it.iteration),
         )
+        self._put_nodes(it, it.nodes)
 
     def load(self, now: float, wall_now: float) -> list[tuple[Iteration, float]]:
         """Every stored iteration, with its submit time mapped onto this process's clock, and
@@ -136,7 +150,10 @@ class SchedulerDB:
             (run_id, iteration, task_id): n
             for run_id, iteration, task_id, n in self._conn.execute("SELECT * FROM sched_task_failures")
         }
-        out = []
+        nodes: dict[tuple[str, int], dict[str, NodeStats]] = collections.defaultdict(dict)
+        for run_id, iteration, member_id, stats in self._conn.execute("SELECT * FROM sched_nodes"):
+            nodes[(run_id, iteration)][member_id] = NodeStats(**json.loads(stats))
+        out, legacy = [], []
         for run_id, iteration, config, submitted_unix, counters, sealed, seal_reason, elapsed_s in self._conn.execute(
             "SELECT * FROM sched_iterations ORDER BY run_id, iteration"
         ):
@@ -148,7 +165,11 @@ class SchedulerDB:
                 tasks={},
                 submitted_at=now - age,
             )
-            _counters_from(it, json.loads(counters))
+            stored = json.loads(counters)
+            _counters_from(it, stored)
+            it.nodes.update(nodes[(run_id, iteration)])
+            if "nodes" in stored:  # written before node stats had their own table
+                legacy.append(it)
             for task_id, seq, spec, requeues, done_by, shard in tasks[(run_id, iteration)]:
                 task = Task(spec=_spec_from(json.loads(spec)), seq=seq, requeues=requeues, done_by=done_by,
                             failures=failures.get((run_id, iteration, task_id), 0))
@@ -166,6 +187,10 @@ class SchedulerDB:
                 it.sealed_at = now
                 it.seal_reason = seal_reason
             out.append((it, elapsed_s))
+        if legacy:  # their node stats move to their table, and leave the counters' JSON
+            with self.tx():
+                for it in legacy:
+                    self.put_counters(it)
         return out
 
 
@@ -217,19 +242,18 @@ def _spec_from(d: dict) -> TaskSpec:
     return TaskSpec(**{**d, "split": Split(d["split"]), "sampling": Sampling(**d["sampling"])})
 
 
-def _counters_json(it: Iteration, counters: Counters | None = None, overrides: dict[str, NodeStats] | None = None) -> str:
-    stats = it.nodes if not overrides else {**it.nodes, **overrides}
-    nodes = {
-        m: {"assigned": n.assigned, "done": n.done, "refused": n.refused, "tokens": n.tokens, "evicted": n.evicted}
-        for m, n in stats.items()
-    }
+def _counters_json(it: Iteration, counters: Counters | None = None) -> str:
     c = it.counters if counters is None else counters
     # The fields as they are (ints and a list of strings): asdict's deep copy cost more than the
-    # encoding, twice per result batch.
-    return json.dumps({"counters": vars(c), "nodes": nodes, "evicted": it.evicted})
+    # encoding, once per result batch.
+    return json.dumps({"counters": vars(c), "evicted": it.evicted})
+
+
+def _node_json(n: NodeStats) -> str:
+    return json.dumps({"assigned": n.assigned, "done": n.done, "refused": n.refused, "tokens": n.tokens, "evicted": n.evicted})
 
 
 def _counters_from(it: Iteration, d: dict) -> None:
     it.counters = Counters(**d["counters"])
-    it.nodes = {m: NodeStats(**n) for m, n in d["nodes"].items()}
+    it.nodes = {m: NodeStats(**n) for m, n in d.get("nodes", {}).items()}  # "nodes": the format before sched_nodes
     it.evicted = list(d["evicted"])

@@ -122,7 +122,9 @@ class ResultBook:
             if key in worker.holding:
                 worker.holding.discard(key)
                 d.released.append(key)
-        self._dispatch(conn.run_id)
+        if d.released:
+            self._slots_freed(conn)
+        self._dispatch(conn.run_id, freed_only=True)
         return d
 
     def write(self, d: Decided) -> None:
@@ -216,7 +218,7 @@ class ResultBook:
                      conn.run_id, len(d.groups), worker.member_id, worker.incarnation)
             end = FencedError(f"worker {worker.member_id!r} incarnation {worker.incarnation} is no longer live; join again")
             return ack, end
-        self._dispatch(conn.run_id)
+        self._dispatch(conn.run_id, freed_only=True)  # the slots of copies cancelled above
         return ack, None
 
     def abandon(self, d: Decided, why: str) -> None:

@@ -207,6 +207,9 @@ class Task:
     storing: bool = False
     """A result for it arrived and is being stored (its shard written, then committed): a second
     copy is refused as a duplicate meanwhile, and it is not handed out as a backup."""
+    copies_on: set[str] = dataclasses.field(default_factory=set)
+    """Workers ever handed a copy: a superset of those still running one (a copy whose task
+    lease expired leaves its holder but still runs), so a cancel looks at these, not every worker."""
     _tally: collections.Counter | None = dataclasses.field(default=None, repr=False, compare=False)
     """The status counts of the ``TaskTable`` holding it, kept current by ``status``."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 
 from elasticrl.scheduler.state import GroupRecord, TaskSpec, Worker
 
@@ -44,9 +45,13 @@ class End:
 class WorkerConn:
     """One worker's open stream: its state plus the outbox the stream writer drains."""
 
+    _opened = itertools.count()
+
     def __init__(self, run_id: str, worker: Worker):
         self.run_id = run_id
         self.worker = worker
+        self.order = next(self._opened)
+        """Streams opened before this one: the order a dispatch pass goes through workers in."""
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.closed = False
         self.fenced_at: float | None = None

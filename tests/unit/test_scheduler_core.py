@@ -5,6 +5,7 @@ sealing, shards, and a simulated restart on the same files. Milliseconds, no sle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -288,6 +289,37 @@ def test_task_lease_expiry_does_not_hand_the_task_back_to_its_holder():
     assert drain(a) == []
 
 
+def test_a_result_batch_offers_tasks_to_the_workers_it_freed_not_to_every_worker(monkeypatch):
+    from elasticrl.scheduler import policy
+
+    h = Harness()
+    conns = [h.worker(f"w{i:03d}") for i in range(200)]
+    h.sched.submit(RUN, 1, specs(250), IterationConfig(backup_tasks=1))
+    for c in conns:
+        drain(c)
+    asked = []
+    real = policy.pick_tasks
+    monkeypatch.setattr(policy, "pick_tasks", lambda it, worker, *a, **k: asked.append(worker.member_id) or real(it, worker, *a, **k))
+    accept(h, conns[7], "t07")
+    assert assigned(drain(conns[7])) == ["t200"] and set(asked) == {"w007"}  # not 200 workers looked at
+
+
+def test_a_cancelled_backup_copy_frees_a_slot_that_the_same_result_batch_fills():
+    h = Harness()
+    a, b, c = h.worker("a"), h.worker("b"), h.worker("c")
+    h.sched.submit(RUN, 1, specs(3), IterationConfig(backup_tasks=1, task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0) and assigned(drain(b)) == ids(1) and assigned(drain(c)) == ids(2)
+    accept(h, b, "t01")  # the queue is empty: b takes a backup copy of the oldest, t00
+    assert assigned(drain(b)) == ids(0) and set(h.it().tasks["t00"].holders) == {"a", "b"}
+    h.sched.submit(RUN, 2, specs(2), IterationConfig())
+    accept(h, b, "t00")  # b's slot, freed on arrival, takes iteration 2's t00; the backup wins,
+    messages = drain(a)  # so a's copy is cancelled at the commit, and a's slot takes t01 then
+    assert cancelled(messages) == ids(0)
+    assert [(i, spec.task_id) for m in messages if hasattr(m, "items") for i, spec, _, _ in m.items] == [(2, "t01")]
+    assert [(i, spec.task_id) for m in drain(b) if hasattr(m, "items") for i, spec, _, _ in m.items] == [(2, "t00")]
+    assert not h.it(1).sealed  # (c still runs t02: no seal, whose dispatch would look at every worker)
+
+
 def test_release_requeues_at_the_front():
     h = Harness()
     a = h.worker("a")
@@ -559,9 +591,11 @@ def test_shard_refuses_before_seal_then_balances_every_done_group_once():
 
 
 def stored_counters(h: Harness, iteration: int = 1) -> dict:
-    row = h.coord.db.connection.execute(
-        "SELECT counters FROM sched_iterations WHERE run_id=? AND iteration=?", (RUN, iteration)).fetchone()
-    return json.loads(row[0])
+    """What SQLite holds of an iteration's counters, with its node stats (a row per node)."""
+    db = h.coord.db.connection
+    row = db.execute("SELECT counters FROM sched_iterations WHERE run_id=? AND iteration=?", (RUN, iteration)).fetchone()
+    nodes = db.execute("SELECT member_id, stats FROM sched_nodes WHERE run_id=? AND iteration=?", (RUN, iteration))
+    return {**json.loads(row[0]), "nodes": {m: json.loads(stats) for m, stats in nodes}}
 
 
 def test_assignment_counts_reach_sqlite_at_the_next_tick_and_a_result_batch_commits_once(tmp_path, monkeypatch):
@@ -588,6 +622,44 @@ def test_assignment_counts_reach_sqlite_at_the_next_tick_and_a_result_batch_comm
     assert stored_counters(h)["nodes"]["a"]["assigned"] == 4
     h.sched.tick()
     assert commits.count(True) == 2  # nothing new to write: no transaction
+
+
+def test_a_result_batch_writes_its_own_nodes_stats_not_every_nodes(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    conns = [h.worker(f"w{i:02d}", slots=1) for i in range(20)]
+    h.sched.submit(RUN, 1, specs(40), IterationConfig())
+    h.sched.tick()  # the dispatch's counts: one row per node
+    assert len(stored_counters(h)["nodes"]) == 20
+    task = assigned(drain(conns[7]))[0]
+    statements: list[str] = []
+    h.coord.db.connection.set_trace_callback(statements.append)
+    ack, _ = accept(h, conns[7], task, tokens=5)
+    h.coord.db.connection.set_trace_callback(None)
+    assert ack.accepted == 1
+    assert [x for x in statements if "sched_nodes" in x] == [x for x in statements if "sched_nodes" in x and "'w07'" in x]
+    assert len([x for x in statements if "sched_nodes" in x]) == 1
+    assert stored_counters(h)["nodes"]["w07"]["done"] == 1 and stored_counters(h)["nodes"]["w07"]["tokens"] == 10
+
+
+def test_node_stats_stored_in_the_counters_json_before_their_table_are_read_and_moved(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    accept(h, a, *assigned(drain(a)), tokens=4)
+    h.sched.tick()
+    before = {m: dataclasses.asdict(n) for m, n in h.it().nodes.items()}
+    db = h.coord.db.connection
+    old = {**stored_counters(h)}  # as an older coordinator wrote it: the nodes inside the JSON
+    with h.coord.db.tx():
+        db.execute("UPDATE sched_iterations SET counters=?", (json.dumps(old),))
+        db.execute("DELETE FROM sched_nodes")
+    h.coord.db.close()
+    again = Harness(state_dir=tmp_path, clock=h.clock)
+    got = {m: dataclasses.asdict(n) for m, n in again.it().nodes.items()}
+    keys = ("assigned", "done", "refused", "tokens", "evicted")  # what is stored (not the timings)
+    assert {m: {k: v[k] for k in keys} for m, v in got.items()} == {m: {k: v[k] for k in keys} for m, v in before.items()}
+    assert "nodes" not in json.loads(again.coord.db.connection.execute("SELECT counters FROM sched_iterations").fetchone()[0])
+    assert set(stored_counters(again)["nodes"]) == {"a"}
 
 
 def test_assignment_counts_that_could_not_be_saved_are_saved_by_a_later_tick_which_goes_on_meanwhile(tmp_path, monkeypatch):
