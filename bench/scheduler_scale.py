@@ -1,0 +1,141 @@
+"""The scheduler's cost per result batch as workers are added: the core alone, in this process.
+
+    python bench/scheduler_scale.py [--workers 16,512,4096] [--modes memory,durable] [--json-out FILE]
+
+A coordinator of 512 nodes x 8 GPUs streams results from thousands of engines into one iteration:
+what the scheduler does per result batch (decide, write, commit, hand out the freed slots) must not
+grow with the number of workers, or the coordinator becomes the bottleneck as the cluster grows.
+This drives ``SchedulerCore`` directly (no gRPC, no other process; ``bench/scheduler.py`` measures
+the whole path): ``--workers`` single-slot workers, ``--tasks-per-worker`` tasks each per iteration,
+every worker sends one small group per batch, ``--iterations`` iterations, the first unmeasured.
+Reported: microseconds of this process per result batch (``accept`` plus the tick that saves the
+assignment counts, in CPU time), for each worker count; the goal is the largest count within 1.5x
+of the smallest, the baseline of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench.benchmain import run_main  # noqa: E402
+
+RUN = "scale"
+GOAL = 1.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
+    from elasticrl.coordinator.core import CoordinatorCore
+    from elasticrl.coordinator.persist import StateDB
+    from elasticrl.scheduler.core import SchedulerCore
+    from elasticrl.scheduler.state import GroupRecord, IterationConfig, SampleRecord, TaskSpec
+    from elasticrl.scheduler.store import TrajectoryStore
+    from elasticrl.scheduler.stream import Assign
+
+    state = tmp / f"{mode}-{workers}" if mode == "durable" else None
+    if state is not None:
+        state.mkdir()
+    clock = Clock()
+    db = StateDB(None if state is None else state / "state.db")
+    coord = CoordinatorCore(db, lease_ttl_s=3600.0, clock=clock)
+    sched = SchedulerCore(coord, TrajectoryStore(None if state is None else state / "trajectories"),
+                          keep_iterations=2, wall_clock=lambda: clock.now + 1.7e9)
+    conns = []
+    for i in range(workers):
+        member, _ = coord.join(RUN, f"w{i:05d}")
+        conns.append(sched.connect(RUN, member.member_id, member.incarnation, slots=1, weight=1.0))
+    sample = SampleRecord.pack(list(range(a.tokens)), [-0.5] * a.tokens, reward=1.0)
+    cpu, batches = 0.0, 0
+    try:
+        for it in range(1, a.iterations + 1):
+            specs = [TaskSpec(task_id=f"t{k}", prompt_ids=[1, 2, 3]) for k in range(workers * a.tasks_per_worker)]
+            sched.submit(RUN, it, specs, IterationConfig(task_lease_s=3600.0))
+            measured = it > 1
+            for _ in range(a.tasks_per_worker):
+                for conn in conns:
+                    held = []
+                    while not conn.outbox.empty():
+                        m = conn.outbox.get_nowait()
+                        if isinstance(m, Assign):
+                            held += [(i, spec.task_id) for i, spec, _, _ in m.items]
+                    if not held:
+                        continue
+                    i, task_id = held[0]
+                    group = GroupRecord(task_id=task_id, node="", policy_version=0, gen_seconds=0.1, reward_seconds=0.0, samples=[sample])
+                    t0 = time.process_time()
+                    sched.accept(conn, [(i, group)], f"{it}-{task_id}")
+                    cpu += (time.process_time() - t0) if measured else 0.0
+                    batches += measured
+                clock.now += 0.05
+                t0 = time.process_time()
+                sched.tick()  # saves the assignment counts, as the coordinator's tick does
+                cpu += (time.process_time() - t0) if measured else 0.0
+            if not sched.iterations[RUN][it].sealed:
+                raise RuntimeError(f"{workers} workers: iteration {it} did not seal")
+    finally:
+        sched.store.settle(30.0)
+        db.close()
+    return {"workers": workers, "state": mode, "batches": batches, "us_per_batch": round(cpu / batches * 1e6, 1)}
+
+
+def run(a, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
+    rows = []
+    for mode in a.modes:
+        for n in a.workers:
+            print(f"[bench] {mode}: {n} workers", file=sys.stderr, flush=True)
+            rows.append(measure(n, mode, a, tmp))
+        base = rows[-len(a.workers)]["us_per_batch"]
+        for r in rows[-len(a.workers):]:
+            r["x_of_smallest"] = round(r["us_per_batch"] / base, 2)
+    return {"bench": "scheduler_scale", "config": vars(a), "scale": rows}
+
+
+def render(doc: dict) -> str:
+    a = doc["config"]
+    lines = [f"Scheduler core per result batch (one group of {a['tokens']} tokens), in-process, "
+             f"{a['tasks_per_worker']} tasks per single-slot worker per iteration, {a['iterations'] - 1} measured iteration(s).",
+             f"{'state':<8} {'workers':>8} {'batches':>8} {'us/batch':>9} {'x smallest':>10} {'goal':>14}"]
+    for r in doc["scale"]:
+        largest = r["workers"] == max(a["workers"])
+        goal = f"<= {GOAL:g}x {'PASS' if r['x_of_smallest'] <= GOAL else 'MISS'}" if largest else "-"
+        lines.append(f"{r['state']:<8} {r['workers']:>8} {r['batches']:>8} {r['us_per_batch']:>9.1f} {r['x_of_smallest']:>10.2f} {goal:>14}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", default="16,512,4096", help="comma-separated worker counts (default: %(default)s)")
+    p.add_argument("--modes", default="memory,durable", help="memory, durable (SQLite + shard files) (default: %(default)s)")
+    p.add_argument("--tasks-per-worker", type=int, default=2, help="tasks per worker per iteration (default: %(default)s)")
+    p.add_argument("--iterations", type=int, default=3, help="iterations, the first unmeasured (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens of each result's one sample (default: %(default)s)")
+    p.add_argument("--json-out", metavar="PATH", help="write the JSON here (the table then goes to stdout)")
+    a = p.parse_args(argv)
+    try:
+        a.workers = [int(x) for x in a.workers.split(",")]
+        a.modes = [m for m in a.modes.split(",") if m]
+    except ValueError:
+        p.error(f"--workers: {a.workers!r} must be comma-separated integers, e.g. 16,512")
+    if any(n < 1 for n in a.workers) or any(m not in ("memory", "durable") for m in a.modes):
+        p.error("--workers must be >= 1 and --modes memory and/or durable")
+    if a.iterations < 2 or a.tasks_per_worker < 1:
+        p.error("--iterations must be >= 2 (the first is unmeasured) and --tasks-per-worker >= 1")
+    return run_main("bench/scheduler_scale.py", a.json_out, lambda tmp, cleanup: run(a, tmp, cleanup), render,
+                    prefix="elasticrl-bench-scale-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
