@@ -1,13 +1,16 @@
 """The scheduler's cost per result batch as workers are added: the core alone, in this process.
 
-    python bench/scheduler_scale.py [--workers 16,512,4096] [--modes memory,durable] [--json-out FILE]
+    python bench/scheduler_scale.py [--workers 64,512,4096] [--modes memory,durable] [--json-out FILE]
 
 A coordinator of 512 nodes x 8 GPUs streams results from thousands of engines into one iteration:
 what the scheduler does per result batch (decide, write, commit, hand out the freed slots) must not
 grow with the number of workers, or the coordinator becomes the bottleneck as the cluster grows.
 This drives ``SchedulerCore`` directly (no gRPC, no other process; ``bench/scheduler.py`` measures
 the whole path): ``--workers`` single-slot workers, ``--tasks-per-worker`` tasks each per iteration,
-every worker sends one small group per batch, ``--iterations`` iterations, the first unmeasured.
+every worker sends one small group per batch, ``--iterations`` measured iterations after ``--warmup``
+unmeasured ones (3: from then on each seal drops an old iteration, whose shard files new shards
+overwrite, as in a long run; before that every shard is a new file, whose creation on ext4 costs
+more than the rest and varies with the inodes freed lately).
 Reported: microseconds of this process per result batch (``accept`` plus the tick that saves the
 assignment counts, in CPU time), for each worker count; the goal is the largest count within 1.5x
 of the smallest, the baseline of the same run.
@@ -60,10 +63,10 @@ def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
     sample = SampleRecord.pack(list(range(a.tokens)), [-0.5] * a.tokens, reward=1.0)
     cpu, batches = 0.0, 0
     try:
-        for it in range(1, a.iterations + 1):
+        for it in range(1, a.warmup + a.iterations + 1):
             specs = [TaskSpec(task_id=f"t{k}", prompt_ids=[1, 2, 3]) for k in range(workers * a.tasks_per_worker)]
             sched.submit(RUN, it, specs, IterationConfig(task_lease_s=3600.0))
-            measured = it > 1
+            measured = it > a.warmup
             for _ in range(a.tasks_per_worker):
                 for conn in conns:
                     held = []
@@ -106,7 +109,7 @@ def run(a, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
 def render(doc: dict) -> str:
     a = doc["config"]
     lines = [f"Scheduler core per result batch (one group of {a['tokens']} tokens), in-process, "
-             f"{a['tasks_per_worker']} tasks per single-slot worker per iteration, {a['iterations'] - 1} measured iteration(s).",
+             f"{a['tasks_per_worker']} tasks per single-slot worker per iteration, {a['iterations']} measured iteration(s) after {a['warmup']}.",
              f"{'state':<8} {'workers':>8} {'batches':>8} {'us/batch':>9} {'x smallest':>10} {'goal':>14}"]
     for r in doc["scale"]:
         largest = r["workers"] == max(a["workers"])
@@ -117,10 +120,11 @@ def render(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", default="16,512,4096", help="comma-separated worker counts (default: %(default)s)")
+    p.add_argument("--workers", default="64,512,4096", help="comma-separated worker counts (default: %(default)s)")
     p.add_argument("--modes", default="memory,durable", help="memory, durable (SQLite + shard files) (default: %(default)s)")
-    p.add_argument("--tasks-per-worker", type=int, default=2, help="tasks per worker per iteration (default: %(default)s)")
-    p.add_argument("--iterations", type=int, default=3, help="iterations, the first unmeasured (default: %(default)s)")
+    p.add_argument("--tasks-per-worker", type=int, default=4, help="tasks per worker per iteration (default: %(default)s)")
+    p.add_argument("--iterations", type=int, default=2, help="measured iterations (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured iterations first (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=64, help="tokens of each result's one sample (default: %(default)s)")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON here (the table then goes to stdout)")
     a = p.parse_args(argv)
@@ -131,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--workers: {a.workers!r} must be comma-separated integers, e.g. 16,512")
     if any(n < 1 for n in a.workers) or any(m not in ("memory", "durable") for m in a.modes):
         p.error("--workers must be >= 1 and --modes memory and/or durable")
-    if a.iterations < 2 or a.tasks_per_worker < 1:
-        p.error("--iterations must be >= 2 (the first is unmeasured) and --tasks-per-worker >= 1")
+    if a.iterations < 1 or a.warmup < 0 or a.tasks_per_worker < 1:
+        p.error("--iterations and --tasks-per-worker must be >= 1, --warmup >= 0")
     return run_main("bench/scheduler_scale.py", a.json_out, lambda tmp, cleanup: run(a, tmp, cleanup), render,
                     prefix="elasticrl-bench-scale-")
 

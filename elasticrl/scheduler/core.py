@@ -222,7 +222,8 @@ class SchedulerCore(ResultBook):
         self.conns[run_id][member_id] = conn
         log.info("run %s: worker %s (incarnation %d) connected with %d slot(s), weight %g",
                  run_id, member_id, incarnation, slots, weight)
-        self._dispatch(run_id)
+        self._slots_freed(conn)  # only its slots are new: a full pass per connect was O(workers^2) to start a fleet
+        self._dispatch(run_id, freed_only=True)
         return conn
 
     def disconnect(self, conn: WorkerConn, reason: str, *, abrupt: bool = True) -> None:

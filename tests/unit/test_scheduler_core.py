@@ -302,6 +302,9 @@ def test_a_result_batch_offers_tasks_to_the_workers_it_freed_not_to_every_worker
     monkeypatch.setattr(policy, "pick_tasks", lambda it, worker, *a, **k: asked.append(worker.member_id) or real(it, worker, *a, **k))
     accept(h, conns[7], "t07")
     assert assigned(drain(conns[7])) == ["t200"] and set(asked) == {"w007"}  # not 200 workers looked at
+    asked.clear()
+    late = h.worker("late")  # and a worker that connects: only its own slots are new
+    assert assigned(drain(late)) == ["t201"] and set(asked) == {"late"}
 
 
 def test_a_cancelled_backup_copy_frees_a_slot_that_the_same_result_batch_fills():
