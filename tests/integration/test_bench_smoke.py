@@ -33,7 +33,8 @@ def test_the_scheduler_bench_streams_at_a_toy_size(tmp_path):
 
 
 def test_the_scheduler_scale_bench_measures_each_worker_count_at_a_toy_size(tmp_path):
-    doc = bench("scheduler_scale.py", tmp_path, "--workers", "2,8", "--iterations", "1", "--warmup", "1", "--tokens", "4")
+    doc = bench("scheduler_scale.py", tmp_path, "--workers", "2,8", "--tasks-per-worker", "2", "--iterations", "1", "--warmup", "1",
+                "--tokens", "4")
     assert [(r["state"], r["workers"]) for r in doc["scale"]] == [("memory", 2), ("memory", 8), ("durable", 2), ("durable", 8)]
     assert all(r["us_per_batch"] > 0 and r["batches"] == 2 * r["workers"] for r in doc["scale"]), doc["scale"]
 
