@@ -43,6 +43,27 @@ def wait(work: dist.Work) -> None:
         _waiter(work)
 
 
+_last_barrier: dist.Work | None = None  # see final_barrier
+
+
+def final_barrier() -> None:
+    """``dist.barrier()`` before the process group is torn down, its work kept referenced here
+    until the next call (or the interpreter's last clean-up, after the group is gone).
+
+    gloo's worker thread drops its reference to a finished work after the caller's wait returned.
+    If that reference is the last, the worker thread frees the work's tensors, and those of the
+    collectives the barrier waited for (DDP's gradient buckets), which takes the GIL. If this
+    thread is destroying the process group at that moment (DDP's reducer freed as the strategy
+    goes, or ``destroy_process_group``), it holds the GIL while it joins that worker thread: a
+    deadlock (seen in CI: a DDP rank that never exited; ``gdb`` showed the main thread in
+    ``~ProcessGroupGloo`` joining ``pt_gloo_runloop``, which waited for the GIL in
+    ``~AsyncBarrierWork``). Holding the work here makes this thread's reference the last one."""
+    global _last_barrier
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _last_barrier = work
+
+
 @dataclasses.dataclass(frozen=True)
 class WorldInfo:
     """Where this worker sits, as torchrun's environment describes it."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from elasticrl.train.dist import final_barrier
 from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
 from elasticrl.train.strategy_base import (
     check_state_keys,
@@ -122,4 +123,4 @@ class DDPStrategy:
 
     def close(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            final_barrier()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elasticrl.config import ConfigError
+from elasticrl.train.dist import final_barrier
 from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
 from elasticrl.train.strategy_base import check_state_keys, common_step, json_safe, optimizer_params, prepare_model
 
@@ -357,6 +358,6 @@ class DeepSpeedStrategy:
 
     def close(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            final_barrier()
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from elasticrl.train.dist import final_barrier
 from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
 from elasticrl.train.strategy_base import (
     check_state_keys,
@@ -179,4 +180,4 @@ class FSDP2Strategy:
         # Destroying the process group while a peer still finishes FSDP2's last collectives aborts
         # the process ("terminate called without an active exception"); meet first.
         if dist.is_initialized():
-            dist.barrier()
+            final_barrier()
