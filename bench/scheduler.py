@@ -175,9 +175,10 @@ RECEIVER_CPU, SENDER_CPU = 0, 1
 
 def pin(pid: int, cpu: int) -> None:
     """``--stream-pin``: every thread of ``pid`` on ``cpu`` (threads it starts later inherit it)."""
+    target = {sorted(os.sched_getaffinity(0))[cpu]}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), {sorted(os.sched_getaffinity(0))[cpu]})
+            os.sched_setaffinity(int(tid), target)
 
 
 class RawStream:

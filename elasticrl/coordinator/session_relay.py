@@ -89,9 +89,9 @@ class _Member:
         if self.writer.is_closing():
             return
         self.writer.write(frame(data))
-        if self.writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
-            log.warning("relay: a member does not read its answers (%d bytes queued); closing its connection",
-                        self.writer.transport.get_write_buffer_size())
+        queued = self.writer.transport.get_write_buffer_size()
+        if queued > MAX_BUFFERED_BYTES:
+            log.warning("relay: a member does not read its answers (%d bytes queued); closing its connection", queued)
             self.writer.transport.abort()
 
 
@@ -308,6 +308,13 @@ class RelayThread:
             os.rmdir(self.directory)
 
 
+def _whole(data: bytes, size: int) -> bytes:
+    """``data`` if it is ``size`` bytes long: less means the connection ended inside a message."""
+    if len(data) < size:
+        raise ConnectionError("session relay closed the connection mid-message")
+    return data
+
+
 class RelayCall:
     """A member's Session stream through a relay, shaped like the blocking gRPC call it replaces
     (``member_stream.MemberStream``): iterate it for responses; ``requests`` is written from a
@@ -350,13 +357,8 @@ class RelayCall:
                 header = reader.read(_HEADER.size)
                 if not header:
                     return  # the relay ended the stream
-                if len(header) < _HEADER.size:
-                    raise ConnectionError("session relay closed the connection mid-message")
-                (size,) = _HEADER.unpack(header)
-                body = reader.read(size)
-                if len(body) < size:
-                    raise ConnectionError("session relay closed the connection mid-message")
-                yield pb.SessionResponse.FromString(body)
+                (size,) = _HEADER.unpack(_whole(header, _HEADER.size))
+                yield pb.SessionResponse.FromString(_whole(reader.read(size), size))
         finally:
             reader.close()
             self.cancel()
