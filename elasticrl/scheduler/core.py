@@ -463,6 +463,17 @@ class SchedulerCore(ResultBook):
             return
         self._unsaved.clear()
 
+    def _counts_saved(self, run_id: str, it: Iteration, member_id: str) -> None:
+        """A result batch's commit wrote ``it``'s counters and ``member_id``'s stats, assignment
+        counts included: the next tick need not write them again (in a trajectory stream it did,
+        once per tick: a transaction of its own)."""
+        key = (run_id, it.iteration)
+        unsaved = self._unsaved.get(key)
+        if unsaved is not None and unsaved[0] is it:
+            unsaved[1].discard(member_id)
+            if not unsaved[1]:
+                del self._unsaved[key]
+
     def tick(self) -> None:
         self.save_counters()
         now = self.clock()

@@ -6,7 +6,9 @@ A worker whose hello set ``combined_acks`` gets the acks and assignments that ar
 outbox when the writer comes round as one message (``WorkResponse.acks`` beside ``assign``)
 instead of one each. Every message costs gRPC's send path on the coordinator and its receive path
 on the worker; a trajectory stream's batch otherwise costs an assignment (its freed slots) and an
-ack. Nothing waits for company: the writer takes what is there. A ``Cancel`` or ``End`` is never
+ack. Nothing waits for company: the writer takes what is there (for such a worker a batch stored
+on arrival commits before the writer runs, so its ack and the tasks it freed slots for leave
+together: ``results.ResultPipeline.submit``). A ``Cancel`` or ``End`` is never
 merged, and what follows it waits until it has gone, so the worker reads them in the order the
 core sent them (a cancel never overtakes the assignment it cancels).
 """

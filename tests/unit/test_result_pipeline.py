@@ -13,6 +13,8 @@ import time
 import pytest
 
 from elasticrl.errors import CoordinatorUnavailableError
+from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl.scheduler import outbox
 from elasticrl.scheduler.results import ResultPipeline
 from elasticrl.scheduler.state import IterationConfig, TaskStatus
 from elasticrl.scheduler.stream import Ack, Assign, End
@@ -283,6 +285,30 @@ def test_in_memory_the_tasks_handed_out_on_arrival_reach_the_stream_writer_befor
         assert [m.accepted for m in drain(w) if isinstance(m, Ack)] == [2]
 
     run(scenario)
+
+
+def test_a_combined_acks_worker_gets_its_batchs_ack_and_the_tasks_it_freed_room_for_in_one_message(tmp_path):
+    for state_dir in (None, tmp_path):  # in memory, and a small durable batch written on arrival
+        h = Harness(state_dir=state_dir)
+        h.sched.submit(RUN, 1, specs(4), IterationConfig())
+        w = h.worker("a", slots=2)
+        w.combined_acks = True
+        t0, t1 = assigned(drain(w))
+        pipe = ResultPipeline(h.sched)
+        messages = []
+
+        async def stream_writer():  # what the Work stream sends, serialized
+            messages.append(spb.WorkResponse.FromString(await outbox.Writer(w).next()))
+
+        async def scenario():
+            writer = asyncio.create_task(stream_writer())
+            await pipe.submit(w, [(1, group(t0)), (1, group(t1))], "b1")
+            await writer
+
+        run(scenario)
+        [m] = messages
+        assert [a.accepted for a in m.acks] == [2] and [t.task.task_id for t in m.assign.tasks] == ["t02", "t03"]
+        assert h.it().tasks[t0].status is TaskStatus.DONE and w.outbox.empty()
 
 
 def test_in_memory_a_stream_that_ends_before_the_commit_strands_nothing():

@@ -601,14 +601,15 @@ def stored_counters(h: Harness, iteration: int = 1) -> dict:
     return {**json.loads(row[0]), "nodes": {m: json.loads(stats) for m, stats in nodes}}
 
 
-def test_assignment_counts_reach_sqlite_at_the_next_tick_and_a_result_batch_commits_once(tmp_path, monkeypatch):
+def test_assignment_counts_reach_sqlite_at_the_next_tick_or_with_a_result_batch_which_commits_once(tmp_path, monkeypatch):
     h = Harness(state_dir=tmp_path)
     a = h.worker("a", slots=2)
-    h.sched.submit(RUN, 1, specs(4), IterationConfig())
-    assert assigned(drain(a)) == ids(0, 1)
+    b = h.worker("b", slots=1)
+    h.sched.submit(RUN, 1, specs(6), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 2) and assigned(drain(b)) == ids(1)
     assert stored_counters(h)["nodes"] == {}  # handed out, not written on the dispatch's path
     h.sched.tick()
-    assert stored_counters(h)["nodes"]["a"]["assigned"] == 2
+    assert stored_counters(h)["nodes"]["a"]["assigned"] == 2 and stored_counters(h)["nodes"]["b"]["assigned"] == 1
     commits = []
     real_tx = h.coord.db.tx
 
@@ -617,14 +618,22 @@ def test_assignment_counts_reach_sqlite_at_the_next_tick_and_a_result_batch_comm
         return real_tx()
 
     monkeypatch.setattr(h.coord.db, "tx", counting_tx)
-    ack, _ = accept(h, a, "t00", "t01")  # frees two slots: t02 and t03 go out in the same call
-    assert ack.accepted == 2 and assigned(drain(a)) == ids(2, 3)
-    assert commits.count(True) == 1  # the batch's own; the new assignments wait for the tick
-    assert stored_counters(h)["nodes"]["a"]["done"] == 2
+    ack, _ = accept(h, a, "t00", "t02")  # frees two slots: t03 and t04 go out in the same call
+    assert ack.accepted == 2 and assigned(drain(a)) == ids(3, 4)
+    assert commits.count(True) == 1  # the batch's own, which carries those assignments' counts
+    assert stored_counters(h)["nodes"]["a"] == {**stored_counters(h)["nodes"]["a"], "done": 2, "assigned": 4}
     h.sched.tick()
-    assert stored_counters(h)["nodes"]["a"]["assigned"] == 4
+    assert commits.count(True) == 1  # nothing left for the tick to write
+    c = h.worker("c", slots=1)  # c is handed t05 as it connects (joining commits on its own)
+    assert assigned(drain(c)) == ids(5)
+    before = commits.count(True)
+    ack, _ = accept(h, a, "t03")  # a's batch writes a's stats; c's count waits for the tick
+    assert ack.accepted == 1 and commits.count(True) == before + 1
+    assert "c" not in stored_counters(h)["nodes"]
     h.sched.tick()
-    assert commits.count(True) == 2  # nothing new to write: no transaction
+    assert commits.count(True) == before + 2 and stored_counters(h)["nodes"]["c"]["assigned"] == 1
+    h.sched.tick()
+    assert commits.count(True) == before + 2  # nothing new to write: no transaction
 
 
 def test_a_result_batch_writes_its_own_nodes_stats_not_every_nodes(tmp_path):
