@@ -421,6 +421,7 @@ class SchedulerCore(ResultBook):
         task.status = TaskStatus.RUNNING
         lease = it.config.task_lease_s
         task.holders[worker.member_id] = Holder(worker.member_id, worker.incarnation, now, now + lease, backup)
+        it.next_expiry = min(it.next_expiry, now + lease)
         task.copies_on.add(worker.member_id)
         worker.holding.add((it.iteration, task_id))
         stats = it.node(worker.member_id)
@@ -489,8 +490,11 @@ class SchedulerCore(ResultBook):
                 if it.sealed:
                     continue
                 stranded |= bool(it.queue)
-                expired = policy.expired_holders(it, now)
+                expired = []
+                if now >= it.next_expiry:
+                    expired, it.next_expiry = policy.lease_scan(it, now)
                 if expired:
+                    it.next_expiry = now  # looked at again next tick, in case these are not requeued
                     with self.db.tx():
                         for task_id, member_id in expired:
                             # The holder keeps its slot (it is presumably still busy on the task);

@@ -119,15 +119,24 @@ def _queued_left(it: Iteration, picked: list[tuple[str, bool]]) -> bool:
 
 def expired_holders(it: Iteration, now: float) -> list[tuple[str, str]]:
     """(task id, member id) of every running copy whose task lease has passed."""
-    if not it.count(TaskStatus.RUNNING):  # it runs every tick, for every open iteration
-        return []
-    return [
-        (task.spec.task_id, member_id)
-        for task in it.tasks.values()
-        if task.status is TaskStatus.RUNNING
-        for member_id, holder in task.holders.items()
-        if now >= holder.deadline
-    ]
+    return lease_scan(it, now)[0]
+
+
+def lease_scan(it: Iteration, now: float) -> tuple[list[tuple[str, str]], float]:
+    """``expired_holders``, and the earliest deadline of the copies not expired yet (inf if
+    none): until then no lease can expire, so ``core`` need not look again (a pass over every
+    task, each tick, cost ~2% of the event loop with 400 tasks and grows with the iteration)."""
+    if not it.count(TaskStatus.RUNNING):
+        return [], math.inf
+    expired, earliest = [], math.inf
+    for task in it.tasks.values():
+        if task.status is TaskStatus.RUNNING:
+            for member_id, holder in task.holders.items():
+                if now >= holder.deadline:
+                    expired.append((task.spec.task_id, member_id))
+                elif holder.deadline < earliest:
+                    earliest = holder.deadline
+    return expired, earliest
 
 
 def decide_seal(it: Iteration, now: float) -> tuple[bool, str]:

@@ -12,6 +12,7 @@ import array
 import collections
 import dataclasses
 import enum
+import math
 import sys
 
 
@@ -307,6 +308,10 @@ class Iteration:
     evicted: list[str] = dataclasses.field(default_factory=list)
     sealed_at: float | None = None
     seal_reason: str = ""
+    next_expiry: float = math.inf
+    """No running copy's task lease ends before this (a lower bound ``core`` keeps as it hands
+    out copies; inf: none): the tick looks for expired leases only once it has passed, not over
+    every task at every tick."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tasks, TaskTable):

@@ -289,6 +289,29 @@ def test_task_lease_expiry_does_not_hand_the_task_back_to_its_holder():
     assert drain(a) == []
 
 
+def test_the_tick_looks_for_expired_task_leases_only_once_the_earliest_could_have_passed(monkeypatch):
+    from elasticrl.scheduler import policy
+
+    h = Harness()
+    a = h.worker("a", slots=2)
+    b = h.worker("b", slots=2)
+    h.sched.submit(RUN, 1, specs(6), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0, 2) and assigned(drain(b)) == ids(1, 3)  # leases end at 10.0
+    scans = []
+    real = policy.lease_scan
+    monkeypatch.setattr(policy, "lease_scan", lambda it, now: scans.append(now) or real(it, now))
+    h.advance(4.0, step=1.0, alive=("a", "b"))  # 4 ticks: no pass over the tasks
+    assert scans == []
+    accept(h, a, "t00")  # t04 goes to a, its lease ending at 14.0; the earliest is still 10.0
+    assert assigned(drain(a)) == ids(4)
+    h.advance(6.0, step=1.0, alive=("a", "b"))  # the tick at 10.0 finds t01, t02, t03 expired
+    assert scans == [pytest.approx(h.clock.now)] and h.it().counters.requeued == 3
+    h.advance(3.0, step=1.0, alive=("a", "b"))  # once more after expiries, then not until 14.0
+    assert len(scans) == 2
+    h.advance(1.0, alive=("a", "b"))
+    assert len(scans) == 3 and h.it().tasks["t04"].requeues == 1
+
+
 def test_a_result_batch_offers_tasks_to_the_workers_it_freed_not_to_every_worker(monkeypatch):
     from elasticrl.scheduler import policy
 

@@ -4,6 +4,7 @@ balance, decided from hand-built state and a made-up clock. No I/O, no sleeps.""
 from __future__ import annotations
 
 import collections
+import math
 import random
 
 import pytest
@@ -186,6 +187,10 @@ def test_expired_holders_at_exactly_the_deadline():
     assert policy.expired_holders(it, 9.999) == []
     assert sorted(policy.expired_holders(it, 10.0)) == [("t0", "a"), ("t1", "c")]
     assert sorted(policy.expired_holders(it, 20.0)) == [("t0", "a"), ("t0", "b"), ("t1", "c")]
+    expired, earliest = policy.lease_scan(it, 10.0)
+    assert sorted(expired) == [("t0", "a"), ("t1", "c")] and earliest == 20.0  # b's copy, not yet expired
+    assert policy.lease_scan(it, 9.0)[1] == 10.0
+    assert policy.lease_scan(make_iteration(2), 5.0) == ([], math.inf)  # nothing running
 
 
 # -- sealing -----------------------------------------------------------------------------------
