@@ -14,6 +14,12 @@ more than the rest and varies with the inodes freed lately).
 Reported: microseconds of this process per result batch (``accept`` plus the tick that saves the
 assignment counts, in CPU time), for each worker count; the goal is the largest count within 1.5x
 of the smallest, the baseline of the same run.
+
+Also (``--submit-tasks``): what submitting an iteration costs the coordinator's event loop, in CPU
+milliseconds, for iterations of those many tasks with ``--prompt-tokens``-token prompts: the
+request parsed and checked as ``SubmitIteration`` does, then stored and dispatched (``submit``)
+to 64 connected 8-slot workers. Nothing else runs on the loop meanwhile: a big submit stalls every
+stream and barrier for that long.
 """
 
 from __future__ import annotations
@@ -94,7 +100,51 @@ def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
     return {"workers": workers, "state": mode, "batches": batches, "us_per_batch": round(cpu / batches * 1e6, 1)}
 
 
+def measure_submit(tasks: int, mode: str, a, tmp: pathlib.Path) -> dict:
+    from elasticrl._proto import scheduler_pb2 as spb
+    from elasticrl.coordinator.core import CoordinatorCore
+    from elasticrl.coordinator.persist import StateDB
+    from elasticrl.scheduler.convert import task_from_pb
+    from elasticrl.scheduler.core import SchedulerCore
+    from elasticrl.scheduler.state import IterationConfig
+    from elasticrl.scheduler.store import TrajectoryStore
+
+    state = tmp / f"submit-{mode}-{tasks}" if mode == "durable" else None
+    if state is not None:
+        state.mkdir()
+    clock = Clock()
+    db = StateDB(None if state is None else state / "state.db")
+    coord = CoordinatorCore(db, lease_ttl_s=3600.0, clock=clock)
+    sched = SchedulerCore(coord, TrajectoryStore(None if state is None else state / "trajectories"),
+                          keep_iterations=2, wall_clock=lambda: clock.now + 1.7e9)
+    for i in range(64):
+        member, _ = coord.join(RUN, f"w{i:03d}")
+        sched.connect(RUN, member.member_id, member.incarnation, slots=8, weight=1.0)
+    request = spb.SubmitIterationRequest(run_id=RUN)
+    for k in range(tasks):
+        t = request.tasks.add(task_id=f"task-{k:07d}", num_samples=8, metadata_json='{"row": %d}' % k)
+        t.prompt_ids.extend(range(1000, 1000 + a.prompt_tokens))
+    times = []
+    try:
+        for it in range(1, 4):
+            request.iteration = it
+            data = request.SerializeToString()
+            t0 = time.process_time()
+            parsed = spb.SubmitIterationRequest.FromString(data)
+            specs = [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(parsed.tasks)]
+            sched.submit(RUN, it, specs, IterationConfig())
+            times.append(time.process_time() - t0)
+    finally:
+        db.close()
+    return {"tasks": tasks, "state": mode, "ms": round(min(times) * 1e3, 2), "us_per_task": round(min(times) / tasks * 1e6, 2)}
+
+
 def run(a, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
+    submits = []
+    for mode in a.modes:
+        for n in a.submit_tasks:
+            print(f"[bench] {mode}: submit of {n} tasks", file=sys.stderr, flush=True)
+            submits.append(measure_submit(n, mode, a, tmp))
     rows = []
     for mode in a.modes:
         for n in a.workers:
@@ -103,7 +153,7 @@ def run(a, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
         base = rows[-len(a.workers)]["us_per_batch"]
         for r in rows[-len(a.workers):]:
             r["x_of_smallest"] = round(r["us_per_batch"] / base, 2)
-    return {"bench": "scheduler_scale", "config": vars(a), "scale": rows}
+    return {"bench": "scheduler_scale", "config": vars(a), "scale": rows, "submit": submits}
 
 
 def render(doc: dict) -> str:
@@ -115,6 +165,10 @@ def render(doc: dict) -> str:
         largest = r["workers"] == max(a["workers"])
         goal = f"<= {GOAL:g}x {'PASS' if r['x_of_smallest'] <= GOAL else 'MISS'}" if largest else "-"
         lines.append(f"{r['state']:<8} {r['workers']:>8} {r['batches']:>8} {r['us_per_batch']:>9.1f} {r['x_of_smallest']:>10.2f} {goal:>14}")
+    if doc["submit"]:
+        lines += ["", f"Submitting an iteration ({a['prompt_tokens']}-token prompts; CPU ms on the event loop, best of 3):",
+                  f"{'state':<8} {'tasks':>8} {'ms':>9} {'us/task':>9}"]
+        lines += [f"{r['state']:<8} {r['tasks']:>8} {r['ms']:>9.1f} {r['us_per_task']:>9.1f}" for r in doc["submit"]]
     return "\n".join(lines)
 
 
@@ -126,17 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=2, help="measured iterations (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured iterations first (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=64, help="tokens of each result's one sample (default: %(default)s)")
+    p.add_argument("--submit-tasks", default="400,10000", help="comma-separated iteration sizes, tasks, to time a submit of; empty: none (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens of each submitted task (default: %(default)s)")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON here (the table then goes to stdout)")
     a = p.parse_args(argv)
     try:
         a.workers = [int(x) for x in a.workers.split(",")]
+        a.submit_tasks = [int(x) for x in a.submit_tasks.split(",") if x]
         a.modes = [m for m in a.modes.split(",") if m]
     except ValueError:
-        p.error(f"--workers: {a.workers!r} must be comma-separated integers, e.g. 16,512")
+        p.error(f"--workers ({a.workers!r}) and --submit-tasks ({a.submit_tasks!r}) must be comma-separated integers, e.g. 16,512")
     if any(n < 1 for n in a.workers) or any(m not in ("memory", "durable") for m in a.modes):
         p.error("--workers must be >= 1 and --modes memory and/or durable")
-    if a.iterations < 1 or a.warmup < 0 or a.tasks_per_worker < 1:
-        p.error("--iterations and --tasks-per-worker must be >= 1, --warmup >= 0")
+    if a.iterations < 1 or a.warmup < 0 or a.tasks_per_worker < 1 or a.prompt_tokens < 1 or any(n < 1 for n in a.submit_tasks):
+        p.error("--iterations, --tasks-per-worker, --prompt-tokens and --submit-tasks must be >= 1, --warmup >= 0")
     return run_main("bench/scheduler_scale.py", a.json_out, lambda tmp, cleanup: run(a, tmp, cleanup), render,
                     prefix="elasticrl-bench-scale-")
 

@@ -77,7 +77,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
             raise InvalidRequestError("tasks: must not be empty")
         if len(request.tasks) > MAX_TASKS:
             raise InvalidRequestError(f"tasks: {len(request.tasks)} tasks, at most {MAX_TASKS} per iteration")
-        specs = [task_from_pb(f"tasks[{i}]", t) for i, t in enumerate(request.tasks)]
+        specs = [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(request.tasks)]
         seen = set()
         for i, s in enumerate(specs):
             if s.task_id in seen:

@@ -11,6 +11,8 @@ import re
 
 import pytest
 
+from elasticrl._proto import scheduler_pb2 as spb
+
 from tests.conftest import REPO
 from tests.integration.test_demo import metrics, run_demo
 
@@ -131,9 +133,9 @@ def rows_of_train_tasks(db_path) -> dict[int, list[int]]:
         specs = db.execute("SELECT iteration, spec FROM sched_tasks ORDER BY iteration, seq").fetchall()
     out: dict[int, list[int]] = {}
     for iteration, spec in specs:
-        spec = json.loads(spec)
-        if spec["split"] == "train":
-            out.setdefault(iteration, []).append(json.loads(spec["metadata_json"])["row"]["id"])
+        spec = spb.TaskSpec.FromString(spec)  # a task's spec is stored as its message
+        if spec.split in (spb.SPLIT_UNSPECIFIED, spb.SPLIT_TRAIN):
+            out.setdefault(iteration, []).append(json.loads(spec.metadata_json)["row"]["id"])
     return out
 
 

@@ -697,6 +697,29 @@ def test_node_stats_stored_in_the_counters_json_before_their_table_are_read_and_
     assert set(stored_counters(again)["nodes"]) == {"a"}
 
 
+def test_task_specs_are_stored_as_their_message_and_specs_stored_as_json_before_are_still_read(tmp_path):
+    from elasticrl._proto import scheduler_pb2 as spb
+    from elasticrl.scheduler.convert import task_wire
+    from elasticrl.scheduler.state import Sampling
+
+    h = Harness(state_dir=tmp_path)
+    rich = TaskSpec(task_id="t00", prompt_ids=[5, 6, 7], prompt_text="p", num_samples=4, split=Split.EVAL,
+                    sampling=Sampling(temperature=0.5, top_p=0.9, max_new_tokens=64, seed=3, stop_token_ids=[2]),
+                    metadata_json='{"answer": 13}')
+    h.sched.submit(RUN, 1, [rich, spec(1)], IterationConfig())
+    db = h.coord.db.connection
+    stored = dict(db.execute("SELECT task_id, spec FROM sched_tasks").fetchall())
+    assert stored["t00"] == task_wire(rich) and spb.TaskSpec.FromString(stored["t00"]).metadata_json == '{"answer": 13}'
+    legacy = {**{k: v for k, v in vars(rich).items() if not k.startswith("_")}, "sampling": vars(rich.sampling), "split": "eval"}
+    with h.coord.db.tx():  # as a coordinator before this change wrote it
+        db.execute("UPDATE sched_tasks SET spec=? WHERE task_id='t00'", (json.dumps(legacy),))
+    h.coord.db.close()
+    again = Harness(state_dir=tmp_path, clock=h.clock)
+    assert again.it().tasks["t00"].spec == rich and again.it().tasks["t01"].spec == spec(1)
+    a = again.worker("a", slots=2)  # and both are handed out as before
+    assert sorted(assigned(drain(a))) == ["t00", "t01"]
+
+
 def test_assignment_counts_that_could_not_be_saved_are_saved_by_a_later_tick_which_goes_on_meanwhile(tmp_path, monkeypatch):
     h = Harness(state_dir=tmp_path)
     a = h.worker("a", slots=1)
