@@ -310,8 +310,7 @@ class SchedulerCore(ResultBook):
         it = self.iterations.get(conn.run_id, {}).get(iteration)
         if it is None:
             for task_id in task_ids:
-                conn.worker.holding.discard((iteration, task_id))
-            self._slots_freed(conn)  # filled at the next dispatch
+                self._free_slot(conn, (iteration, task_id))  # filled at the next dispatch
             log.info(
                 "run %s: worker %s released %d task(s) of iteration %d, which this coordinator does not hold; ignored",
                 conn.run_id, conn.worker.member_id, len(task_ids), iteration,
@@ -325,9 +324,7 @@ class SchedulerCore(ResultBook):
                     it.counters.errors = [*it.counters.errors, reason][-MAX_ERRORS:]
                 self.metrics.env_errors.inc(env_errors, run=conn.run_id)
             for task_id in task_ids:
-                key = (iteration, task_id)
-                if key in conn.worker.holding:
-                    conn.worker.holding.discard(key)
+                if self._free_slot(conn, (iteration, task_id)):
                     task = it.tasks.get(task_id)
                     if it.sealed or task is None:
                         continue
@@ -353,8 +350,19 @@ class SchedulerCore(ResultBook):
     # -- dispatch ----------------------------------------------------------------------------
 
     def _slots_freed(self, conn: WorkerConn) -> None:
-        """``conn``'s worker holds fewer tasks than at the last dispatch (see ``_dispatch``)."""
+        """``conn``'s worker has free slots the last dispatch did not offer (see ``_dispatch``)."""
         self._freed[conn.run_id][conn.worker.member_id] = conn
+
+    def _free_slot(self, conn: WorkerConn, key: tuple[int, str]) -> bool:
+        """``conn``'s worker no longer runs task ``key`` (iteration, task id): its slot is free for
+        the next dispatch. Every place a live worker's ``holding`` shrinks goes through here, so a
+        dispatch that looks at freed workers only (``freed_only``) misses none. False if it did
+        not hold the task."""
+        if key not in conn.worker.holding:
+            return False
+        conn.worker.holding.discard(key)
+        self._slots_freed(conn)
+        return True
 
     def _dispatch(self, run_id: str, *, skip: WorkerConn | None = None, retry_anywhere: bool = False,
                   freed_only: bool = False) -> None:
@@ -438,10 +446,8 @@ class SchedulerCore(ResultBook):
         conns = self.conns.get(it.run_id, {})
         for member_id in it.tasks[task_id].copies_on:
             conn = conns.get(member_id)
-            if member_id != keep and conn is not None and key in conn.worker.holding:
-                conn.worker.holding.discard(key)
+            if member_id != keep and conn is not None and self._free_slot(conn, key):
                 conn.send(Cancel(it.iteration, [task_id]))
-                self._slots_freed(conn)
 
     # -- time: task leases and deadlines -------------------------------------------------------
 

@@ -65,7 +65,7 @@ class ResultBook:
     """The result half of ``SchedulerCore`` (see the module docstring). It uses the core's
     ``coord``, ``iterations``, ``conns``, ``store``, ``db``, ``clock``, ``metrics`` and
     ``_deciding`` (batch id -> its ``Decided`` until the commit), and its ``_dispatch``,
-    ``_maybe_seal``, ``_requeue``, ``_cancel_copies`` and ``_counts_saved``."""
+    ``_maybe_seal``, ``_requeue``, ``_cancel_copies``, ``_free_slot`` and ``_counts_saved``."""
 
     def accept(
         self, conn: WorkerConn, groups: list[tuple[int, Group]], batch_id: str = "",
@@ -119,11 +119,8 @@ class ResultBook:
                 self._deciding[batch_id] = d
         for iteration, group in groups:
             key = (iteration, group.task_id)
-            if key in worker.holding:
-                worker.holding.discard(key)
+            if self._free_slot(conn, key):
                 d.released.append(key)
-        if d.released:
-            self._slots_freed(conn)
         self._dispatch(conn.run_id, freed_only=True)
         return d
 

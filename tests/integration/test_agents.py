@@ -62,7 +62,7 @@ def hf_model(tmp_path_factory):
 
 
 def hf_args(model) -> list[str]:
-    return [f"--model.kind=hf", f"--model.path={model}", "--engine.name=hf", "--trainer.lr=1e-3", "--trainer.warmup_steps=0",
+    return ["--model.kind=hf", f"--model.path={model}", "--engine.name=hf", "--trainer.lr=1e-3", "--trainer.warmup_steps=0",
             "--task.group_size=2", "--run.eval_interval=0", "--trainer.updates_per_iteration=1"]
 
 
