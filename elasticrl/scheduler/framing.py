@@ -173,21 +173,30 @@ def _group_parts(parts: list, iteration: int, task_id: bytes, policy_version: in
                  reward_seconds: float, samples: list[tuple[list, int]]) -> int:
     """Append one ``TrajectoryGroup`` message (fields 1-6) to ``parts``; ``samples``: each sample's
     (buffers, length). Returns the group's length."""
-    start = len(parts)
+    n = 0
     if iteration:
-        parts += (_ONE_BYTE[_G_ITERATION], varint(iteration))
+        v = varint(iteration)
+        parts += (_ONE_BYTE[_G_ITERATION], v)
+        n += 1 + len(v)
     if task_id:
-        parts += (_ONE_BYTE[_G_TASK_ID], varint(len(task_id)), task_id)
+        v = varint(len(task_id))
+        parts += (_ONE_BYTE[_G_TASK_ID], v, task_id)
+        n += 1 + len(v) + len(task_id)
     for sample, size in samples:
-        parts += (_ONE_BYTE[_G_SAMPLE], varint(size))
+        v = varint(size)
+        parts += (_ONE_BYTE[_G_SAMPLE], v)
         parts += sample
+        n += 1 + len(v) + size
     if policy_version:
-        parts += (_ONE_BYTE[_G_POLICY_VERSION], varint(policy_version))
+        v = varint(policy_version)
+        parts += (_ONE_BYTE[_G_POLICY_VERSION], v)
+        n += 1 + len(v)
     for key, value in ((_G_GEN_S, gen_seconds), (_G_REWARD_S, reward_seconds)):
         d = _F64.pack(value)
         if d != _ZERO_F64:
             parts += (_ONE_BYTE[key], d)
-    return sum(len(p) for p in parts[start:])
+            n += 9
+    return n  # counted as it goes: a pass over the parts cost ~15 us per 1 MiB batch
 
 
 def group_parts(iteration: int, g: GroupRecord | WireGroup) -> tuple[list, int]:
@@ -211,14 +220,18 @@ def result_batch_request(groups: list[tuple[int, GroupRecord]], batch_id: str) -
     """``WorkRequest(results=ResultBatch(groups=..., batch_id=...))``, serialized: what a worker
     sends for its finished groups (``(iteration, group)`` pairs), the sample bytes copied once."""
     parts: list = []
+    body = 0
     for iteration, g in groups:
         gp, n = group_parts(iteration, g)
-        parts += (_ONE_BYTE[_B_GROUP], varint(n))
+        v = varint(n)
+        parts += (_ONE_BYTE[_B_GROUP], v)
         parts += gp
+        body += 1 + len(v) + n
     bid = batch_id.encode()
     if bid:
-        parts += (_ONE_BYTE[_B_BATCH_ID], varint(len(bid)), bid)
-    body = sum(len(p) for p in parts)
+        v = varint(len(bid))
+        parts += (_ONE_BYTE[_B_BATCH_ID], v, bid)
+        body += 1 + len(v) + len(bid)
     return b"".join([_ONE_BYTE[_W_RESULTS], varint(body), *parts])
 
 
