@@ -17,6 +17,9 @@ rollout workers, the raw-gRPC baseline):
   result batch sent to the seal seen by the driver, after ``--stream-warmup`` unmeasured
   iterations (until the coordinator recycles an old iteration's memory and, with
   ``--stream-keep-iterations 2``, its shard files at every seal, as for the rest of a long run).
+  After each iteration the bench waits 0.2 s, so that what the coordinator's ticks do after the
+  seal (drop the iteration it made too old) counts in its CPU and shares no core with the next
+  path's round.
   Baseline, measured in the same run: the same serialized WorkRequest messages (same size,
   batch id included, same groups per message) over one grpc.aio bidi stream to a generic handler
   with identity (de)serializers in another process (``bench/scheduler_raw.py``): received as
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -75,6 +79,8 @@ MS_CONFIGS = ("static-equal", "static-weighted", "dynamic", "dynamic-backup")
 # Goals from the issue: streaming at least this fraction of raw gRPC; dynamic makespan within
 # this factor of the ideal with no weights given.
 STREAM_GOAL = 0.5
+# After each coordinator iteration: several of the coordinator's ticks (--tick, 50 ms by default).
+SETTLE_S = 0.2
 MAKESPAN_GOAL = 1.15
 MB = 1e6
 
@@ -290,6 +296,10 @@ class CoordinatorStream:
         manifest, t0, t1 = run_iteration(self.client, self.run, it, tasks(f"i{it}-", a.stream_groups, a.stream_samples), a.timeout_s)
         if manifest["tasks_done"] != a.stream_groups:
             raise BenchError(f"stream {self.mode}: {manifest['tasks_done']}/{a.stream_groups} groups done: {manifest['seal_reason']}")
+        # What the coordinator's next ticks do for this seal (dropping the iteration it made too
+        # old) is the iteration's cost too: let them run before reading its CPU, and before the
+        # next path's round starts, which would share the cores with them.
+        time.sleep(SETTLE_S)
         if rep >= a.stream_warmup:
             self.rounds.append({"iteration": it, "submit": t0, "seal": t1, "coordinator_cpu_s": self.coord.cpu_s() - cpu0,
                                 "worker_cpu_s": process_cpu_s(self.worker_pid) - worker_cpu0})
