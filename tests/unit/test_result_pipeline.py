@@ -363,35 +363,43 @@ def test_a_small_batch_is_stored_on_arrival_and_a_big_one_in_the_writer_thread(t
     assert writers[0] == threading.current_thread().name and writers[1].startswith("shard-write"), writers
 
 
-def test_after_a_slow_inline_write_every_write_goes_to_the_thread_for_a_while(tmp_path):
+def test_after_slow_inline_writes_every_write_goes_to_the_thread_for_a_while(tmp_path):
     h = Harness(state_dir=tmp_path)
-    h.sched.submit(RUN, 1, specs(3), IterationConfig())
-    w = h.worker("a", slots=3)
-    t0, t1, t2 = assigned(drain(w))
+    h.sched.submit(RUN, 1, specs(5), IterationConfig())
+    w = h.worker("a", slots=5)
+    t0, t1, t2, t3, t4 = assigned(drain(w))
     pipe = ResultPipeline(h.sched)
     writers: list[str] = []
+    slow: set[str] = set()
     real = h.sched.write
 
-    def write(d):  # a disk that takes 20 ms per shard
+    def write(d):  # a disk that takes 25 ms for the shards of the batches in ``slow``
         writers.append(threading.current_thread().name)
-        time.sleep(0.02)
+        if d.batch_id in slow:
+            time.sleep(0.025)
         real(d)
 
     h.sched.write = write
 
     async def scenario():
-        await pipe.submit(w, [(1, group(t0))], "first")  # small: on the loop, and found slow
+        slow.add("hiccup")
+        await pipe.submit(w, [(1, group(t0))], "hiccup")  # small: on the loop, and slow once
+        await pipe.submit(w, [(1, group(t1))], "fast")  # one slow write is a hiccup: still on the loop
         assert not w.pending
-        await pipe.submit(w, [(1, group(t1))], "second")  # small too, but the disk is slow
+        pipe._slow_writes.clear()  # long ago
+        slow.update({"slow-1", "slow-2", "slow-3"})
+        await pipe.submit(w, [(1, group(t2))], "slow-1")
+        await pipe.submit(w, [(1, group(t3))], "slow-2")  # the second within the window: the disk is slow
+        assert not w.pending
+        await pipe.submit(w, [(1, group(t4))], "slow-3")  # so this one goes to the thread
         assert len(w.pending) == 1
         await until(lambda: not w.pending, "the threaded write")
-        pipe._threaded_until = 0.0  # the slow spell is over
-        await pipe.submit(w, [(1, group(t2))], "third")
-        assert not w.pending and [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1, 1, 1]
+        assert [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1] * 5
 
     run(scenario)
-    assert writers[0] == writers[2] == threading.current_thread().name and writers[1].startswith("shard-write"), writers
-    assert h.it().count(TaskStatus.DONE) == 3
+    main = threading.current_thread().name
+    assert writers[:4] == [main] * 4 and writers[4].startswith("shard-write"), writers
+    assert h.it().count(TaskStatus.DONE) == 5
 
 
 def test_with_fsync_every_shard_is_written_in_the_thread(tmp_path):
