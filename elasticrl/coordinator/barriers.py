@@ -179,9 +179,8 @@ class BarrierOps:
                 with self.db.tx() as db:
                     for key, barrier in created.items():
                         db.put_barrier(key[0], barrier)
-                    for i, run, barrier in writes:
-                        a = arrivals[i]
-                        db.put_arrival(run.run_id, barrier.name, a.member_id, a.incarnation)
+                    db.put_arrivals([(run.run_id, barrier.name, arrivals[i].member_id, arrivals[i].incarnation)
+                                     for i, run, barrier in writes])
             except Exception as exc:  # noqa: BLE001 - nothing was recorded: each arrival to write fails alike
                 failed = {_key(arrivals[i]) for i, _, _ in writes}
                 for i, a in enumerate(arrivals):  # their repeats, and arrivals at a barrier it was to open, too

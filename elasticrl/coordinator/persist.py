@@ -196,10 +196,9 @@ class StateDB:
     def delete_barrier(self, run_id: str, name: str) -> None:
         self._conn.execute("DELETE FROM barriers WHERE run_id=? AND name=?", (run_id, name))
 
-    def put_arrival(self, run_id: str, name: str, member_id: str, incarnation: int) -> None:
-        self._conn.execute(
-            "INSERT OR REPLACE INTO arrivals VALUES (?, ?, ?, ?)", (run_id, name, member_id, incarnation)
-        )
+    def put_arrivals(self, rows: list[tuple[str, str, str, int]]) -> None:
+        """Arrivals as (run id, barrier name, member id, incarnation), in one statement."""
+        self._conn.executemany("INSERT OR REPLACE INTO arrivals VALUES (?, ?, ?, ?)", rows)
 
     def delete_arrivals(self, run_id: str, name: str) -> None:
         """A decided barrier's result lists who arrived; the per-arrival rows are no longer needed."""

@@ -64,7 +64,7 @@ def test_a_failed_commit_changes_nothing_and_fails_every_arrival_it_held(core, m
     def full(*args):
         raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(core.db, "put_arrival", full)
+    monkeypatch.setattr(core.db, "put_arrivals", full)
     results = core.arrive_many(batch)
     assert [type(r) for r in results] == [sqlite3.OperationalError] * 2
     assert "b" not in core.runs["r"].barriers and not core.runs["r"].open_barriers
@@ -169,7 +169,7 @@ def test_a_member_evicted_while_it_waits_gets_fenced_when_the_barrier_is_decided
 def test_a_failed_commit_still_answers_a_repeat_at_a_decided_barrier(core, monkeypatch):
     a, _ = core.join("r", "a")
     (done,) = core.arrive_many([Arrival("r", "a", a.incarnation, "done", timeout_s=10)])
-    monkeypatch.setattr(core.db, "put_arrival", lambda *args: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error")))
+    monkeypatch.setattr(core.db, "put_arrivals", lambda *args: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error")))
     again, new = core.arrive_many([Arrival("r", "a", a.incarnation, "done", timeout_s=10),
                                    Arrival("r", "a", a.incarnation, "next", timeout_s=10)])
     assert again is done  # the retry of a decided barrier gets its result, not a wait that never ends

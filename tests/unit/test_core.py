@@ -381,7 +381,7 @@ def test_a_barrier_whose_last_arrival_was_stored_but_not_its_decision_is_decided
     b, _ = core.join("r", "b")
     assert run(core.arrive("r", "a", a.incarnation, "x", timeout_s=120, wait_s=0.01)) is None
     with core.db.tx() as db:  # b's arrival committed; the process died before deciding
-        db.put_arrival("r", "x", "b", b.incarnation)
+        db.put_arrivals([("r", "x", "b", b.incarnation)])
     core.db.close()
 
     again = CoordinatorCore(StateDB(path), lease_ttl_s=5.0, clock=clock)
