@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from elasticrl.errors import CoordinatorUnavailableError
 from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl.errors import CoordinatorUnavailableError
 from elasticrl.scheduler import outbox
 from elasticrl.scheduler.results import ResultPipeline
 from elasticrl.scheduler.state import IterationConfig, TaskStatus
