@@ -26,6 +26,12 @@ rollout workers, the raw-gRPC baseline):
   bytes like the coordinator's Work stream, nothing parsed, nothing stored, one small ack per
   message, no slots bounding what is in flight; first send -> last ack. Same server and channel
   options (the coordinator's) on both.
+* ``submit``: how long a big submit holds the coordinator's event loop. A thread renews a lease
+  (``KeepAlive``, a unary call) every 2 ms while the driver submits ``--submit-repeats`` iterations
+  of ``--submit-tasks`` tasks with ``--submit-prompt-tokens``-token prompts (no worker takes them);
+  reported: the submit call's time and the keep-alives' latency (p50, max) while it runs, against
+  the same keep-alives just before it (the baseline: the loop idle). No goal: a call that waits
+  behind a submit waits for all of the loop's work on it.
 * ``makespan``: one iteration of ``--ms-tasks`` tasks on 3 single-slot workers of speed 1x,
   2x, 4x (task time ``--ms-base-s`` / speed), under static with equal weights, static with the
   right weights, dynamic (no weights) and dynamic with ``--ms-backup-tasks`` backups; makespan is
@@ -74,7 +80,7 @@ from bench.scheduler_procs import (  # noqa: E402
     tasks,
 )
 
-SECTIONS = ("roundtrip", "stream", "makespan")
+SECTIONS = ("roundtrip", "stream", "submit", "makespan")
 MS_CONFIGS = ("static-equal", "static-weighted", "dynamic", "dynamic-backup")
 # Goals from the issue: streaming at least this fraction of raw gRPC; dynamic makespan within
 # this factor of the ideal with no weights given.
@@ -117,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream-warmup", type=int, default=3, help="unmeasured iterations (and raw streams) per mode first: 3 is until a "
                    "coordinator frees an old iteration's trajectories at each seal (it keeps the newest 2), as it does for the rest of a "
                    "run; before that its memory and page cache only grow, which costs a fresh VM first-touch page faults (default: %(default)s)")
+    g = p.add_argument_group("submit")
+    g.add_argument("--submit-tasks", type=int, default=10000, help="tasks per submitted iteration (default: %(default)s)")
+    g.add_argument("--submit-prompt-tokens", type=int, default=200, help="prompt tokens of each task (default: %(default)s)")
+    g.add_argument("--submit-repeats", type=int, default=3, help="iterations submitted per mode (default: %(default)s)")
     g = p.add_argument_group("makespan")
     g.add_argument("--ms-tasks", type=int, default=70, help="tasks per iteration (default: %(default)s)")
     g.add_argument("--ms-base-s", type=float, default=0.2, help="task time on the 1x worker, seconds (default: %(default)s)")
@@ -151,7 +161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not a.ms_speeds or min(a.ms_speeds) <= 0:
         parser.error(f"--ms-speeds: {a.ms_speeds} needs at least one speed, all > 0")
     for name in ("rt_tasks", "rt_workers", "rt_slots", "rt_tokens", "stream_groups", "stream_samples", "stream_tokens",
-                 "stream_slots", "stream_repeats", "ms_tasks", "ms_repeats"):
+                 "stream_slots", "stream_repeats", "ms_tasks", "ms_repeats", "submit_tasks", "submit_prompt_tokens", "submit_repeats"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: {getattr(a, name)} must be >= 1")
     group_bytes = a.stream_samples * a.stream_tokens * 8
@@ -416,6 +426,55 @@ class Bench:
             for path in reversed(paths):
                 path.stop()
 
+    def submit(self, mode: str) -> dict:
+        from elasticrl.scheduler.state import TaskSpec
+
+        a = self.a
+        run = f"submit-{mode}"
+        coord = self.coordinator(run, mode)
+        client, probe = self.client(coord.address), self.client(coord.address)
+        prompt = list(range(1000, 1000 + a.submit_prompt_tokens))
+        specs = [TaskSpec(task_id=f"t{k:07d}", prompt_ids=prompt, num_samples=8) for k in range(a.submit_tasks)]
+        lat: list[tuple[float, float]] = []  # (sent, latency), monotonic seconds
+        stop = threading.Event()
+        incarnation = probe.join(run, "probe").incarnation
+
+        def keep_alive() -> None:
+            while not stop.is_set():
+                sent = time.monotonic()
+                probe.keep_alive(run, "probe", incarnation)
+                lat.append((sent, time.monotonic() - sent))
+                stop.wait(0.002)
+
+        thread = threading.Thread(target=keep_alive, name="submit-probe", daemon=True)
+        rows = []
+        try:
+            thread.start()
+            for it in range(1, a.submit_repeats + 1):
+                time.sleep(0.3)
+                t0 = time.monotonic()
+                client.submit_iteration(run, it, specs)
+                t1 = time.monotonic()
+                time.sleep(0.1)  # a keep-alive sent just before the end may still wait
+                idle = [x for sent, x in lat if t0 - 0.3 <= sent and sent + x < t0]
+                busy = [x for sent, x in lat if sent < t1 and sent + x > t0]  # in flight during the submit
+                rows.append({"submit_ms": (t1 - t0) * 1000, "busy": busy, "idle": idle})
+        finally:
+            stop.set()
+            thread.join(10)
+            coord.stop()
+        ms = lambda xs, q: round(percentile(xs, q) * 1000, 2) if xs else None  # noqa: E731
+        mid = sorted(rows, key=lambda r: r["submit_ms"])[(len(rows) - 1) // 2]
+        return {
+            "state": mode, "tasks": a.submit_tasks, "prompt_tokens": a.submit_prompt_tokens, "repeats": len(rows),
+            "submit_ms": round(mid["submit_ms"], 1), "per_repeat_submit_ms": [round(r["submit_ms"], 1) for r in rows],
+            "keep_alive_p50_ms": ms([x for r in rows for x in r["busy"]], 0.5),
+            "keep_alive_max_ms": ms([x for r in rows for x in r["busy"]], 1.0),
+            "per_repeat_keep_alive_max_ms": [ms(r["busy"], 1.0) for r in rows],
+            "idle_keep_alive_p50_ms": ms([x for r in rows for x in r["idle"]], 0.5),
+            "idle_keep_alive_max_ms": ms([x for r in rows for x in r["idle"]], 1.0),
+        }
+
     def makespan(self, coord: Coordinator, client, config: str) -> dict:
         a = self.a
         run = f"ms-{config}"
@@ -497,6 +556,15 @@ def render(doc: dict) -> str:
             sub = "-" if r["mb_per_s_submit_to_seal"] is None else f"{r['mb_per_s_submit_to_seal']:.1f}"
             out.append(f"{r['path']:<14} {r['state']:<8} {r['mb_per_s']:>8.1f} {'-' if pct is None else f'{pct:.0f}%':>8} {sub:>17} "
                        f"{r['groups_per_batch_mean']:>12} {r['server_cpu_s_per_gb']:>12.2f} {r['client_cpu_s_per_gb']:>12.2f} {r['server_rss_mb']:>10.0f} {goal:>10} {status:>4}")
+    if doc.get("submit"):
+        out += ["", f"Submit: iterations of {a['submit_tasks']} tasks ({a['submit_prompt_tokens']}-token prompts), {a['submit_repeats']} per mode; "
+                    "a lease keep-alive every 2 ms meanwhile (its latency: how long the loop was held), against the same just before.",
+                f"{'state':<8} {'submit ms':>10} {'keep-alive p50 ms':>17} {'max ms':>8} {'max per submit':>20} {'idle p50':>9} {'idle max':>9}"]
+        for r in doc["submit"]:
+            per = "/".join("-" if x is None else f"{x:.0f}" for x in r["per_repeat_keep_alive_max_ms"])
+            f = lambda x: "-" if x is None else x  # noqa: E731 - no keep-alive in that window
+            out.append(f"{r['state']:<8} {r['submit_ms']:>10.1f} {f(r['keep_alive_p50_ms']):>17} {f(r['keep_alive_max_ms']):>8} {per:>20} "
+                       f"{f(r['idle_keep_alive_p50_ms']):>9} {f(r['idle_keep_alive_max_ms']):>9}")
     if doc.get("makespan"):
         m = doc["makespan"]
         speeds = "/".join(f"{s:g}x" for s in a["ms_speeds"])
@@ -551,6 +619,11 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
         doc["stream"] = bench.stream()
         if bench.profiler is not None:
             doc["profile"] = {"dir": str(args.profile), "top": bench.profiler.tops}
+    if "submit" in args.sections:
+        doc["submit"] = []
+        for mode in args.modes:
+            log(f"submit ({mode}): {args.submit_repeats} x {args.submit_tasks} tasks, keep-alives meanwhile")
+            doc["submit"].append(bench.submit(mode))
     if "makespan" in args.sections:
         doc["makespan"] = []
         coord = bench.coordinator("makespan", "memory")

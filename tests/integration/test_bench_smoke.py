@@ -32,6 +32,14 @@ def test_the_scheduler_bench_streams_at_a_toy_size(tmp_path):
     assert all(r["mb_per_s"] > 0 for r in doc["stream"])
 
 
+def test_the_scheduler_bench_times_a_submit_and_the_keep_alives_beside_it_at_a_toy_size(tmp_path):
+    doc = bench("scheduler.py", tmp_path, "--sections", "submit", "--submit-tasks", "50", "--submit-prompt-tokens", "4",
+                "--submit-repeats", "2")
+    assert [r["state"] for r in doc["submit"]] == ["memory", "durable"]
+    for r in doc["submit"]:
+        assert r["repeats"] == 2 and r["submit_ms"] > 0 and r["idle_keep_alive_max_ms"] > 0, r
+
+
 def test_the_scheduler_scale_bench_measures_each_worker_count_at_a_toy_size(tmp_path):
     doc = bench("scheduler_scale.py", tmp_path, "--workers", "2,8", "--tasks-per-worker", "2", "--iterations", "1", "--warmup", "1",
                 "--tokens", "4", "--submit-tasks", "5,20", "--prompt-tokens", "3")

@@ -1,0 +1,71 @@
+"""``SubmitIteration`` at the servicer: a big submit converts its tasks in a thread, so the event
+loop (every stream, barrier and keep-alive) is not held for all of them, and a bad task is still
+refused with its field named; a small one converts on the loop (no hand-off)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from elasticrl._proto import scheduler_pb2 as spb
+from elasticrl.scheduler import service
+from elasticrl.scheduler.service import SchedulerServicer
+
+from tests.unit.scheduler_harness import RUN, Harness
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    code = details = None
+
+    async def abort(self, code, details, trailing_metadata=()):
+        self.code, self.details = code, details
+        raise Aborted()
+
+
+def request(n: int, iteration: int, *, bad: int | None = None) -> spb.SubmitIterationRequest:
+    r = spb.SubmitIterationRequest(run_id=RUN, iteration=iteration)
+    for k in range(n):
+        r.tasks.add(task_id=f"t{k:05d}", num_samples=2, prompt_ids=[1, 2, 3])
+    if bad is not None:
+        r.tasks[bad].num_samples = 0
+    return r
+
+
+def test_a_big_submit_converts_its_tasks_off_the_event_loop_and_still_names_a_bad_one(monkeypatch):
+    h = Harness()
+    servicer = SchedulerServicer(h.sched)
+    threads: list[threading.Thread] = []
+    real = service.task_from_pb
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service, "task_from_pb", recording)
+    big = service.THREADED_SUBMIT_TASKS
+
+    async def scenario():
+        loop_thread = threading.current_thread()
+        reply = await servicer.SubmitIteration(request(big, 1), Context())
+        assert reply.created and reply.num_tasks == big
+        assert len(threads) == big and all(t is not loop_thread for t in threads)
+        threads.clear()
+        await servicer.SubmitIteration(request(3, 2), Context())
+        assert threads == [loop_thread] * 3
+        ctx = Context()
+        with pytest.raises(Aborted):
+            await servicer.SubmitIteration(request(big, 3, bad=big - 1), ctx)
+        assert ctx.code is grpc.StatusCode.INVALID_ARGUMENT and f"tasks[{big - 1}].num_samples" in ctx.details
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert sorted(h.sched.iterations[RUN]) == [1, 2]  # the refused submit left nothing
+    assert h.it(1).tasks["t00000"].spec.__dict__["_wire"] == request(1, 1).tasks[0].SerializeToString()
