@@ -486,8 +486,13 @@ class SchedulerCore(ResultBook):
 
     def tick(self) -> None:
         self.save_counters()
-        while self._trim_due:
-            self._trim(self._trim_due.pop())
+        for run_id in list(self._trim_due):
+            try:
+                self._trim(run_id)
+            except Exception as exc:  # noqa: BLE001 - a full disk, say: nothing was dropped; tried again next tick
+                log.warning("scheduler: could not drop run %s's old iterations (%s); trying again at the next tick", run_id, exc)
+                continue
+            self._trim_due.discard(run_id)
         now = self.clock()
         for conns in self.conns.values():
             for conn in conns.values():

@@ -207,8 +207,11 @@ class ResultBook:
                 it.tasks[group.task_id].holders.pop(worker.member_id, None)
         for _, task_id, reason in refused:
             self.metrics.refused.inc(run=conn.run_id, reason=reason)
-        for iteration, it in sorted(touched.items()):
+        # Every touched iteration's counters first: a seal below dispatches, and the counts of the
+        # tasks it hands out of another of these iterations must not be overwritten afterwards.
+        for iteration, it in touched.items():
             it.counters, it.nodes[worker.member_id] = staged[iteration]
+        for iteration, it in sorted(touched.items()):
             batch = fresh.get(iteration, [])
             for g in batch:
                 self._complete(it, it.tasks[g.task_id], g, shards[iteration])
@@ -353,8 +356,10 @@ class ResultPipeline:
         finally:
             now = time.perf_counter()
             if d.writes and now - started > SLOW_WRITE_S:
-                self._slow_writes = [t for t in self._slow_writes if now - t < SLOW_WRITE_WINDOW_S] + [now]
-                if len(self._slow_writes) >= SLOW_WRITES:
+                # The window counts back from this write's start, so writes slower than the window
+                # still count together; one as long as the window is no scheduling hiccup.
+                self._slow_writes = [t for t in self._slow_writes if started - t < SLOW_WRITE_WINDOW_S] + [now]
+                if len(self._slow_writes) >= SLOW_WRITES or now - started >= SLOW_WRITE_WINDOW_S:
                     if now >= self._threaded_until:
                         log.info("%d shard writes took over %.0f ms on the event loop (the last %.1f ms); writing shards "
                                  "in a thread for %gs", len(self._slow_writes), SLOW_WRITE_S * 1000, (now - started) * 1000,

@@ -402,6 +402,34 @@ def test_after_slow_inline_writes_every_write_goes_to_the_thread_for_a_while(tmp
     assert h.it().count(TaskStatus.DONE) == 5
 
 
+def test_writes_slower_than_the_window_send_the_next_one_to_the_thread(tmp_path, monkeypatch):
+    from elasticrl.scheduler import results
+
+    monkeypatch.setattr(results, "SLOW_WRITE_WINDOW_S", 0.05)  # each slow write below takes longer than it
+    h = Harness(state_dir=tmp_path)
+    h.sched.submit(RUN, 1, specs(2), IterationConfig())
+    w = h.worker("a", slots=2)
+    t0, t1 = assigned(drain(w))
+    pipe = ResultPipeline(h.sched)
+    writers: list[str] = []
+    real = h.sched.write
+
+    def write(d):  # a disk that takes 60 ms per shard
+        writers.append(threading.current_thread().name)
+        time.sleep(0.06)
+        real(d)
+
+    h.sched.write = write
+
+    async def scenario():
+        await pipe.submit(w, [(1, group(t0))], "first")  # on the loop; as long as the window: no hiccup
+        await pipe.submit(w, [(1, group(t1))], "second")
+        await until(lambda: not w.pending, "the threaded write")
+
+    run(scenario)
+    assert writers[0] == threading.current_thread().name and writers[1].startswith("shard-write"), writers
+
+
 def test_with_fsync_every_shard_is_written_in_the_thread(tmp_path):
     h = Harness(state_dir=tmp_path)
     h.store.fsync = True

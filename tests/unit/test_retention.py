@@ -87,6 +87,34 @@ def test_only_the_newest_sealed_iterations_are_kept(tmp_path):
     assert sorted(again.sched.iterations[RUN]) == [8, 9, 10]
 
 
+def test_a_drop_that_fails_is_tried_again_at_the_next_tick_and_the_tick_goes_on(tmp_path, monkeypatch):
+    h = Harness(state_dir=tmp_path)
+    h.sched.keep_iterations = 2
+    w = h.worker("w", slots=2)
+    for i in range(1, 4):
+        h.sched.submit(RUN, i, specs(2), IterationConfig())
+        if i < 3:
+            h.sched.accept(w, [(i, group(t)) for t in assigned(drain(w))])
+            h.sched.tick()
+    x = h.worker("x", slots=1)
+    h.sched.submit(RUN, 4, specs(1), IterationConfig(task_lease_s=1.0))
+    assert assigned(drain(x)) == ["t00"]
+    h.sched.accept(w, [(3, group(t)) for t in assigned(drain(w))])  # 3 seals: 1 is now too old
+    real = h.sched.db.delete_iterations
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(h.sched.db, "delete_iterations", disk_full)
+    h.clock.now += 2.0
+    h.sched.tick()  # cannot drop 1: it stays whole, and the rest of the tick runs (x's lease on 4's task expired)
+    assert sorted(h.sched.iterations[RUN]) == [1, 2, 3, 4] and h.it(1).sealed
+    assert h.it(4).tasks["t00"].requeues == 1
+    monkeypatch.setattr(h.sched.db, "delete_iterations", real)
+    h.sched.tick()
+    assert sorted(h.sched.iterations[RUN]) == [2, 3, 4]
+
+
 def test_the_seal_waiters_map_is_empty_after_a_timed_out_wait():
     h = Harness()
     asyncio.run(asyncio.wait_for(h.sched.wait_sealed(RUN, 7, 0.05), 5))

@@ -312,6 +312,23 @@ def test_the_tick_looks_for_expired_task_leases_only_once_the_earliest_could_hav
     assert len(scans) == 3 and h.it().tasks["t04"].requeues == 1
 
 
+def test_a_seal_inside_a_batch_keeps_the_counts_of_what_it_hands_out_of_another_iteration_of_the_batch():
+    h = Harness()
+    w = h.worker("w", slots=3)
+    x = h.worker("x", slots=1)
+    h.sched.submit(RUN, 1, [spec(10), spec(11)], IterationConfig(min_fraction=0.5, deadline_s=5))
+    h.sched.submit(RUN, 2, [spec(20), spec(21)], IterationConfig(backup_tasks=1))
+    assert sorted(assigned(drain(w))) == ["t10", "t20", "t21"] and assigned(drain(x)) == ["t11"]
+    h.clock.now += 10
+    # Iteration 1 seals inside this batch (past its deadline with half done): x's copy of t11 is
+    # cancelled and x takes a backup of t21, counted in iteration 2 before the batch's own
+    # counters for iteration 2 are applied.
+    ack, _ = h.sched.accept(w, [(1, group("t10")), (2, group("t20"))], "b1")
+    assert ack.accepted == 2 and h.it(1).sealed
+    assert assigned(drain(x)) == ["t21"]
+    assert h.it(2).counters.backups_issued == 1 and h.it(2).nodes["x"].assigned == 1
+
+
 def test_a_result_batch_offers_tasks_to_the_workers_it_freed_not_to_every_worker(monkeypatch):
     from elasticrl.scheduler import policy
 
