@@ -46,22 +46,30 @@ class Clock:
         return self.now
 
 
-def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
+def scheduler(mode: str, state: pathlib.Path):
+    """A coordinator core and a scheduler core on a made-up clock: (clock, database, coordinator,
+    scheduler). ``state`` (a new directory) holds the durable mode's SQLite and shards."""
     from elasticrl.coordinator.core import CoordinatorCore
     from elasticrl.coordinator.persist import StateDB
     from elasticrl.scheduler.core import SchedulerCore
-    from elasticrl.scheduler.state import GroupRecord, IterationConfig, SampleRecord, TaskSpec
     from elasticrl.scheduler.store import TrajectoryStore
-    from elasticrl.scheduler.stream import Assign
 
-    state = tmp / f"{mode}-{workers}" if mode == "durable" else None
-    if state is not None:
+    durable = mode == "durable"
+    if durable:
         state.mkdir()
     clock = Clock()
-    db = StateDB(None if state is None else state / "state.db")
+    db = StateDB(state / "state.db" if durable else None)
     coord = CoordinatorCore(db, lease_ttl_s=3600.0, clock=clock)
-    sched = SchedulerCore(coord, TrajectoryStore(None if state is None else state / "trajectories"),
+    sched = SchedulerCore(coord, TrajectoryStore(state / "trajectories" if durable else None),
                           keep_iterations=2, wall_clock=lambda: clock.now + 1.7e9)
+    return clock, db, coord, sched
+
+
+def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
+    from elasticrl.scheduler.state import GroupRecord, IterationConfig, SampleRecord, TaskSpec
+    from elasticrl.scheduler.stream import Assign
+
+    clock, db, coord, sched = scheduler(mode, tmp / f"{mode}-{workers}")
     conns = []
     for i in range(workers):
         member, _ = coord.join(RUN, f"w{i:05d}")
@@ -102,21 +110,10 @@ def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
 
 def measure_submit(tasks: int, mode: str, a, tmp: pathlib.Path) -> dict:
     from elasticrl._proto import scheduler_pb2 as spb
-    from elasticrl.coordinator.core import CoordinatorCore
-    from elasticrl.coordinator.persist import StateDB
     from elasticrl.scheduler.convert import task_from_pb
-    from elasticrl.scheduler.core import SchedulerCore
     from elasticrl.scheduler.state import IterationConfig
-    from elasticrl.scheduler.store import TrajectoryStore
 
-    state = tmp / f"submit-{mode}-{tasks}" if mode == "durable" else None
-    if state is not None:
-        state.mkdir()
-    clock = Clock()
-    db = StateDB(None if state is None else state / "state.db")
-    coord = CoordinatorCore(db, lease_ttl_s=3600.0, clock=clock)
-    sched = SchedulerCore(coord, TrajectoryStore(None if state is None else state / "trajectories"),
-                          keep_iterations=2, wall_clock=lambda: clock.now + 1.7e9)
+    _, db, coord, sched = scheduler(mode, tmp / f"submit-{mode}-{tasks}")
     for i in range(64):
         member, _ = coord.join(RUN, f"w{i:03d}")
         sched.connect(RUN, member.member_id, member.incarnation, slots=8, weight=1.0)
