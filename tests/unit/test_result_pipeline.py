@@ -52,6 +52,21 @@ class HeldWrites:
             self.written.append(d.batch_id)
 
 
+def record_writers(h: Harness, delay_s=lambda d: 0.0) -> list[str]:
+    """Make ``h``'s shard writes take ``delay_s(batch)`` seconds longer; returns the list of the
+    names of the threads that wrote, in order, as they write."""
+    writers: list[str] = []
+    real = h.sched.write
+
+    def write(d):
+        writers.append(threading.current_thread().name)
+        time.sleep(delay_s(d))
+        real(d)
+
+    h.sched.write = write
+    return writers
+
+
 def run(scenario, timeout_s: float = 10.0):
     return asyncio.run(asyncio.wait_for(scenario(), timeout_s))
 
@@ -342,14 +357,7 @@ def test_a_small_batch_is_stored_on_arrival_and_a_big_one_in_the_writer_thread(t
     w = h.worker("a", slots=2)
     t0, t1 = assigned(drain(w))
     pipe = ResultPipeline(h.sched)
-    writers: list[str] = []
-    real = h.sched.write
-
-    def write(d):
-        writers.append(threading.current_thread().name)
-        real(d)
-
-    h.sched.write = write
+    writers = record_writers(h)
 
     async def scenario():
         await pipe.submit(w, [(1, group(t0))], "small")  # 2 samples x 3 tokens
@@ -369,17 +377,8 @@ def test_after_slow_inline_writes_every_write_goes_to_the_thread_for_a_while(tmp
     w = h.worker("a", slots=5)
     t0, t1, t2, t3, t4 = assigned(drain(w))
     pipe = ResultPipeline(h.sched)
-    writers: list[str] = []
     slow: set[str] = set()
-    real = h.sched.write
-
-    def write(d):  # a disk that takes 25 ms for the shards of the batches in ``slow``
-        writers.append(threading.current_thread().name)
-        if d.batch_id in slow:
-            time.sleep(0.025)
-        real(d)
-
-    h.sched.write = write
+    writers = record_writers(h, lambda d: 0.025 if d.batch_id in slow else 0.0)  # a disk slow for the batches in ``slow``
 
     async def scenario():
         slow.add("hiccup")
@@ -411,15 +410,7 @@ def test_writes_slower_than_the_window_send_the_next_one_to_the_thread(tmp_path,
     w = h.worker("a", slots=2)
     t0, t1 = assigned(drain(w))
     pipe = ResultPipeline(h.sched)
-    writers: list[str] = []
-    real = h.sched.write
-
-    def write(d):  # a disk that takes 60 ms per shard
-        writers.append(threading.current_thread().name)
-        time.sleep(0.06)
-        real(d)
-
-    h.sched.write = write
+    writers = record_writers(h, lambda d: 0.06)  # a disk that takes 60 ms per shard
 
     async def scenario():
         await pipe.submit(w, [(1, group(t0))], "first")  # on the loop; as long as the window: no hiccup
