@@ -54,9 +54,9 @@ WRITE_THREADS = 1
 # stream the coordinator's CPU per GB fell from 2.2-2.8 s to 2.0-2.2 s with 1 MiB batches inline).
 THREADED_WRITE_BYTES = 4 << 20
 # ...unless the store fsyncs, or SLOW_WRITES inline writes within SLOW_WRITE_WINDOW_S took longer
-# than SLOW_WRITE_S each (a slow or throttled disk): then every write goes to the thread for
-# SLOW_WRITE_HOLD_S, so that the event loop (every stream, barrier and lease) does not wait for
-# the disk. (A 1 MiB write to the page cache takes ~0.2 ms; 5 ms was passed now and then by a
+# than SLOW_WRITE_S each, or one took SLOW_WRITE_WINDOW_S (a slow or throttled disk): then every
+# write goes to the thread for SLOW_WRITE_HOLD_S, so that the event loop (every stream, barrier and
+# lease) does not wait for the disk. (A 1 MiB write to the page cache takes ~0.2 ms; 5 ms was passed now and then by a
 # scheduling hiccup of this VM, and 20 ms about once in 5000 writes of bench/scheduler.py's durable
 # stream: with one strike that hiccup sent the rest of the run to the thread, ~10% slower here.)
 SLOW_WRITE_S = 0.02
