@@ -136,7 +136,55 @@ def measure_submit(tasks: int, mode: str, a, tmp: pathlib.Path) -> dict:
     return {"tasks": tasks, "state": mode, "ms": round(min(times) * 1e3, 2), "us_per_task": round(min(times) / tasks * 1e6, 2)}
 
 
+def measure_gc(mode: str, a, tmp: pathlib.Path) -> dict:
+    """What the tasks a coordinator keeps cost its process: ``--gc-iterations`` iterations of
+    ``--gc-tasks`` tasks submitted as ``SubmitIteration`` does (nothing run yet), then a full
+    collection of the cyclic garbage collector, timed (best of 3; it runs on the event loop when
+    it comes, stalling every stream and barrier), the objects it tracks per task and the Python
+    heap per task (tracemalloc)."""
+    import gc
+    import tracemalloc
+
+    from elasticrl._proto import scheduler_pb2 as spb
+    from elasticrl.scheduler.convert import task_from_pb
+    from elasticrl.scheduler.state import IterationConfig
+
+    _, db, coord, sched = scheduler(mode, tmp / f"gc-{mode}")
+    request = spb.SubmitIterationRequest(run_id=RUN)
+    for k in range(a.gc_tasks):
+        t = request.tasks.add(task_id=f"task-{k:07d}", num_samples=8, metadata_json='{"row": %d}' % k)
+        t.prompt_ids.extend(range(1000, 1000 + a.prompt_tokens))
+    try:
+        gc.collect()
+        tracked0 = len(gc.get_objects())
+        tracemalloc.start()
+        for it in range(1, a.gc_iterations + 1):
+            request.iteration = it
+            parsed = spb.SubmitIterationRequest.FromString(request.SerializeToString())
+            sched.submit(RUN, it, [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(parsed.tasks)],
+                         IterationConfig())
+            del parsed
+        gc.collect()
+        heap = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        tracked = len(gc.get_objects()) - tracked0
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gc.collect()
+            times.append(time.perf_counter() - t0)
+    finally:
+        db.close()
+    tasks = a.gc_tasks * a.gc_iterations
+    return {"state": mode, "tasks": tasks, "full_gc_ms": round(min(times) * 1e3, 1),
+            "tracked_per_task": round(tracked / tasks, 2), "heap_bytes_per_task": round(heap / tasks)}
+
+
 def run(a, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
+    held = []
+    for mode in a.modes if a.gc_iterations else ():
+        print(f"[bench] {mode}: {a.gc_iterations} x {a.gc_tasks} tasks held", file=sys.stderr, flush=True)
+        held.append(measure_gc(mode, a, tmp))
     submits = []
     for mode in a.modes:
         for n in a.submit_tasks:
@@ -150,7 +198,7 @@ def run(a, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
         base = rows[-len(a.workers)]["us_per_batch"]
         for r in rows[-len(a.workers):]:
             r["x_of_smallest"] = round(r["us_per_batch"] / base, 2)
-    return {"bench": "scheduler_scale", "config": vars(a), "scale": rows, "submit": submits}
+    return {"bench": "scheduler_scale", "config": vars(a), "scale": rows, "submit": submits, "held": held}
 
 
 def render(doc: dict) -> str:
@@ -166,6 +214,12 @@ def render(doc: dict) -> str:
         lines += ["", f"Submitting an iteration ({a['prompt_tokens']}-token prompts; CPU ms on the event loop, best of 3):",
                   f"{'state':<8} {'tasks':>8} {'ms':>9} {'us/task':>9}"]
         lines += [f"{r['state']:<8} {r['tasks']:>8} {r['ms']:>9.1f} {r['us_per_task']:>9.1f}" for r in doc["submit"]]
+    if doc.get("held"):
+        lines += ["", f"Tasks held ({a['gc_iterations']} submitted iterations of {a['gc_tasks']} tasks, {a['prompt_tokens']}-token prompts): "
+                  "a full cyclic-GC pass (best of 3), objects it tracks and Python heap, per task:",
+                  f"{'state':<8} {'tasks':>8} {'full gc ms':>10} {'tracked/task':>12} {'heap B/task':>11}"]
+        lines += [f"{r['state']:<8} {r['tasks']:>8} {r['full_gc_ms']:>10.1f} {r['tracked_per_task']:>12.2f} {r['heap_bytes_per_task']:>11}"
+                  for r in doc["held"]]
     return "\n".join(lines)
 
 
@@ -179,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens of each result's one sample (default: %(default)s)")
     p.add_argument("--submit-tasks", default="400,10000", help="comma-separated iteration sizes, tasks, to time a submit of; empty: none (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens of each submitted task (default: %(default)s)")
+    p.add_argument("--gc-iterations", type=int, default=8, help="submitted iterations held while a full garbage collection "
+                   "is timed (8: the coordinator's default --keep-iterations); 0: skip (default: %(default)s)")
+    p.add_argument("--gc-tasks", type=int, default=10000, help="tasks per held iteration (default: %(default)s)")
     p.add_argument("--json-out", metavar="PATH", help="write the JSON here (the table then goes to stdout)")
     a = p.parse_args(argv)
     try:
@@ -191,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--workers must be >= 1 and --modes memory and/or durable")
     if a.iterations < 1 or a.warmup < 0 or a.tasks_per_worker < 1 or a.prompt_tokens < 1 or any(n < 1 for n in a.submit_tasks):
         p.error("--iterations, --tasks-per-worker, --prompt-tokens and --submit-tasks must be >= 1, --warmup >= 0")
+    if a.gc_iterations < 0 or a.gc_tasks < 1:
+        p.error("--gc-iterations must be >= 0 and --gc-tasks >= 1")
     return run_main("bench/scheduler_scale.py", a.json_out, lambda tmp, cleanup: run(a, tmp, cleanup), render,
                     prefix="elasticrl-bench-scale-")
 

@@ -333,7 +333,8 @@ class SchedulerCore(ResultBook):
                         continue
                     if failed and task.status is TaskStatus.RUNNING:
                         task.failures += 1
-                        task.failed_on.add(conn.worker.member_id)
+                        if conn.worker.member_id not in task.failed_on:
+                            task.failed_on += (conn.worker.member_id,)
                         self.db.put_failures(it, task)
                         if task.failures >= it.config.max_task_failures:
                             given_up.append(task)
@@ -433,7 +434,8 @@ class SchedulerCore(ResultBook):
         lease = it.config.task_lease_s
         task.holders[worker.member_id] = Holder(worker.member_id, worker.incarnation, now, now + lease, backup)
         it.next_expiry = min(it.next_expiry, now + lease)
-        task.copies_on.add(worker.member_id)
+        if worker.member_id not in task.copies_on:
+            task.copies_on += (worker.member_id,)
         worker.holding.add((it.iteration, task_id))
         stats = it.node(worker.member_id)
         stats.assigned += 1

@@ -11,6 +11,7 @@ spec is its ``TaskSpec`` message (a state dir written before that has it as JSON
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import dataclasses
@@ -242,7 +243,7 @@ def _stored_spec(value: bytes | str) -> TaskSpec:
     if isinstance(value, bytes):
         return task_from_pb("sched_tasks.spec", spb.TaskSpec.FromString(value), keep_wire=True)
     d = json.loads(value)
-    return TaskSpec(**{**d, "split": Split(d["split"]), "sampling": Sampling(**d["sampling"])})
+    return TaskSpec(**{**d, "prompt_ids": array.array("i", d["prompt_ids"]), "split": Split(d["split"]), "sampling": Sampling(**d["sampling"])})
 
 
 def _counters_json(it: Iteration, counters: Counters | None = None) -> str:

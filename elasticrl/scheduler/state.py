@@ -56,7 +56,9 @@ class TaskSpec:
     """One GRPO group to draw: ``num_samples`` completions of one prompt."""
 
     task_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[int] | array.array
+    """A list; the coordinator keeps a submitted task's as an ``array("i")`` (compact, and nothing
+    for the garbage collector to walk), which compares unequal to a list of the same ids."""
     prompt_text: str = ""
     num_samples: int = 1
     sampling: Sampling = dataclasses.field(default_factory=Sampling)
@@ -203,14 +205,16 @@ class Task:
     done_by: str = ""
     failures: int = 0
     """Failed attempts (environment errors); at ``max_task_failures`` the task is FAILED."""
-    failed_on: set[str] = dataclasses.field(default_factory=set)
+    failed_on: tuple[str, ...] = ()
     """Workers an attempt failed on: a retry goes elsewhere while another worker can take it."""
     storing: bool = False
     """A result for it arrived and is being stored (its shard written, then committed): a second
     copy is refused as a duplicate meanwhile, and it is not handed out as a backup."""
-    copies_on: set[str] = dataclasses.field(default_factory=set)
+    copies_on: tuple[str, ...] = ()
     """Workers ever handed a copy: a superset of those still running one (a copy whose task
-    lease expired leaves its holder but still runs), so a cancel looks at these, not every worker."""
+    lease expired leaves its holder but still runs), so a cancel looks at these, not every worker.
+    Tuples, not sets: one or two names each, and a tuple of strings is one object fewer per task for
+    the garbage collector to walk (an empty set is one too)."""
     _tally: collections.Counter | None = dataclasses.field(default=None, repr=False, compare=False)
     """The status counts of the ``TaskTable`` holding it, kept current by ``status``."""
 

@@ -47,6 +47,7 @@ interface, not durable, and ``forget`` drops an old iteration's.
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
 import json
 import os
@@ -336,7 +337,7 @@ def shard_chunks(run_id: str, iteration: int, groups: list[tuple[Group, list[int
         lengths.append(n)
     small = {
         "group_bytes": np.array(lengths, dtype="<i8"),
-        "prompt_ids": np.array([t for _, p in groups for t in p], dtype="<i4"),
+        "prompt_ids": _prompt_ids([p for _, p in groups]),
         "prompt_lengths": np.array([len(p) for _, p in groups], dtype="<i4"),
     }
     tensors = [("groups", "U8", wires)] + [(k, _DTYPES[v.dtype.str], [v.tobytes()]) for k, v in small.items()]
@@ -351,6 +352,18 @@ def shard_chunks(run_id: str, iteration: int, groups: list[tuple[Group, list[int
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     return [len(head).to_bytes(8, "little"), head, *data]
+
+
+def _prompt_ids(prompts: list) -> np.ndarray:
+    """The prompts' ids back to back, int32: the coordinator keeps a submitted task's prompt as an
+    ``array("i")`` (``convert.task_from_pb``), copied here as a whole, not an id at a time."""
+    joined = array.array("i")
+    for p in prompts:
+        if isinstance(p, array.array) and p.typecode == "i":
+            joined += p
+        else:
+            joined.extend(p)
+    return np.frombuffer(joined, dtype=np.intc).astype("<i4", copy=False)
 
 
 def encode_shard(run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> bytes:
