@@ -81,3 +81,22 @@ def test_a_submitted_tasks_unknown_fields_are_neither_stored_nor_handed_out():
     asyncio.run(asyncio.wait_for(servicer.SubmitIteration(r, Context()), 10))
     wire = h.it(1).tasks["t00000"].spec.__dict__["_wire"]
     assert extra not in wire and wire == request(1, 1).tasks[0].SerializeToString()
+
+
+def test_the_coordinators_copy_of_a_submitted_spec_is_compact_and_a_workers_is_plain():
+    import array
+    import gc
+
+    from elasticrl.scheduler.convert import task_from_pb, task_wire
+
+    same = [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(request(2, 1).tasks)]
+    other = spb.TaskSpec(task_id="t9", num_samples=2, prompt_ids=[1, 2, 3], sampling=spb.SamplingParams(seed=7))
+    seeded = task_from_pb("tasks[2]", other, keep_wire=True)
+    # the coordinator's: an int32 array, one Sampling per distinct value, the message an attribute
+    assert isinstance(same[0].prompt_ids, array.array) and list(same[0].prompt_ids) == [1, 2, 3]
+    assert same[0].sampling is same[1].sampling and seeded.sampling is not same[0].sampling and seeded.sampling.seed == 7
+    assert not any(isinstance(r, dict) for r in gc.get_referents(same[0]))  # no instance dict: one object fewer to track
+    assert spb.TaskSpec.FromString(task_wire(same[0])).prompt_ids == [1, 2, 3]
+    # a worker's (no keep_wire): plain lists, its own Sampling, which an engine may change
+    plain = [task_from_pb(f"tasks[{i}]", t) for i, t in enumerate(request(2, 1).tasks)]
+    assert plain[0].prompt_ids == [1, 2, 3] and plain[0].sampling is not plain[1].sampling
