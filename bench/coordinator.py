@@ -32,6 +32,10 @@ Failure-to-release: ``--failure-members`` members, one OS process each; all but 
 the straggler (joined, renewing its lease) is SIGKILLed, and we time kill -> release of the
 survivors. The baselines have no liveness, so they never release; that is reported as such.
 
+Goals: a coordinator row's p50 below ``P50_GOALS_MS`` at 64 and 512 members, and, where the run
+also measured TCPStore at the same size and pattern, within ``TCPSTORE_GOAL_X`` (1.5x) of its p50
+(``x_tcpstore``, ``tcpstore_goal`` in the JSON).
+
     python bench/coordinator.py                      # everything, ~4-5 min on 2 shared cores
     python bench/coordinator.py --members 8,64 --skip-baselines --json-out /tmp/b.json
 """
@@ -62,6 +66,9 @@ REPO = BENCH_DIR.parent
 WORKER = BENCH_DIR / "barrier_members.py"
 # Goals from the issue: barrier p50 by member count (ms), and release within TTL + this (s).
 P50_GOALS_MS = {64: 5.0, 512: 50.0}
+# And barrier p50 within this multiple of torch's TCPStore (what torchrun uses), same size and
+# pattern, same run.
+TCPSTORE_GOAL_X = 1.5
 FAILURE_SLACK_S = 0.5
 
 
@@ -312,6 +319,19 @@ def p50_goal(members: int, p50_ms: float) -> dict | None:
     return {"metric": "p50_ms", "below": goal, "status": "PASS" if p50_ms < goal else "MISS"}
 
 
+def compare_tcpstore(rows: list[dict]) -> None:
+    """Give each coordinator row with a TCPStore row of the same size and pattern its p50 as a
+    multiple of TCPStore's (``x_tcpstore``) and that goal (``tcpstore_goal``)."""
+    base = {(r["members"], r["pattern"]): r["p50_ms"] for r in rows if r["impl"] == "tcpstore"}
+    for r in rows:
+        b = base.get((r["members"], r["pattern"]))
+        if r["impl"] == "coordinator" and b:
+            x = r["p50_ms"] / b
+            r["x_tcpstore"] = round(x, 2)
+            r["tcpstore_goal"] = {"metric": "p50_ms / tcpstore p50_ms", "at_most": TCPSTORE_GOAL_X,
+                                  "status": "PASS" if x <= TCPSTORE_GOAL_X else "MISS"}
+
+
 # -- scenarios -------------------------------------------------------------------------------
 
 
@@ -414,7 +434,7 @@ def render_table(doc: dict) -> str:
         f"Host: {host['cpus']} CPUs, load average {load} at start/end (goals are the coordinator's; baselines are shown against them too).",
         f"Barrier latency = release - last arrival sent; p50/p99 over members x rounds. {doc['layout']['summary']}",
         "Times in ms; round = first arrival sent -> last release; srv/cli cpu = CPU ms per round of the barrier server / all client processes.",
-        f"{'impl':<12} {'transport':<9} {'state':<8} {'pattern':<7} {'members':>7} {'procs':>5} {'rounds':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'round p50':>10} {'srv cpu':>8} {'cli cpu':>8} {'goal':>12} {'':>4}",
+        f"{'impl':<12} {'transport':<9} {'state':<8} {'pattern':<7} {'members':>7} {'procs':>5} {'rounds':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'round p50':>10} {'srv cpu':>8} {'cli cpu':>8} {'goal':>12} {'':>4} {'x tcpstore':>10} {'<= ' + format(TCPSTORE_GOAL_X, 'g') + 'x':>6}",
     ]
     for row in doc["latency"]:
         goal = row.get("goal")
@@ -423,7 +443,8 @@ def render_table(doc: dict) -> str:
         lines.append(
             f"{row['impl']:<12} {row.get('transport', '-'):<9} {row['state']:<8} {row['pattern']:<7} {row['members']:>7} {row['processes']:>5} {row['rounds']:>6} "
             f"{row['p50_ms']:>9.2f} {row['p99_ms']:>9.2f} {row['max_ms']:>9.2f} {row['round_p50_ms']:>10.2f} "
-            f"{srv:>8} {row['client_cpu_ms_per_round']:>8.1f} {goal_txt:>12} {goal['status'] if goal else '':>4}"
+            f"{srv:>8} {row['client_cpu_ms_per_round']:>8.1f} {goal_txt:>12} {goal['status'] if goal else '':>4} "
+            f"{row['x_tcpstore'] if 'x_tcpstore' in row else '-':>10} {row['tcpstore_goal']['status'] if 'tcpstore_goal' in row else '':>6}"
         )
     if doc["failure"]:
         lines += ["", "Failure to release: SIGKILL of a member that joined but never arrived -> survivors released (one process per member)."]
@@ -609,6 +630,7 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
                     rounds = args.flag_rounds if impl == "flagfile" else args.rounds
                     log(f"latency: {impl} ({mode}, {transport}), {n} members, pattern {pattern}, {rounds} rounds")
                     doc["latency"].append(bench.latency(impl, mode, n, pattern, transport))
+    compare_tcpstore(doc["latency"])
     if not args.skip_failure:
         scenarios = [("coordinator", mode, args.failure_trials, t) for mode in args.modes for t in args.transports]
         if not args.skip_baselines:

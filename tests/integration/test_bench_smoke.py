@@ -80,3 +80,14 @@ def test_the_weights_bench_moves_a_blob_on_every_path_at_a_toy_size(tmp_path):
     assert rows[("relay", 2)]["sources_last"] == {"w0": ["trainer"], "w1": ["w0"]} or \
         rows[("relay", 2)]["sources_last"] == {"w0": ["w1"], "w1": ["trainer"]}, rows[("relay", 2)]
     assert rows[("relay", 2)]["busiest_sender_mb"] == 4 and rows[("coordinator", 2)]["busiest_sender_mb"] == 8
+
+
+def test_the_coordinator_bench_compares_each_coordinator_row_with_tcpstore_of_the_same_size_and_pattern():
+    from bench.coordinator import compare_tcpstore
+
+    rows = [dict(impl="coordinator", members=64, pattern="burst", p50_ms=1.8), dict(impl="coordinator", members=64, pattern="last", p50_ms=1.0),
+            dict(impl="coordinator", members=512, pattern="burst", p50_ms=20.0), dict(impl="tcpstore", members=64, pattern="burst", p50_ms=1.5),
+            dict(impl="tcpstore", members=512, pattern="burst", p50_ms=10.0)]
+    compare_tcpstore(rows)
+    assert [(r.get("x_tcpstore"), r.get("tcpstore_goal", {}).get("status")) for r in rows] == [
+        (1.2, "PASS"), (None, None), (2.0, "MISS"), (None, None), (None, None)]
