@@ -132,3 +132,32 @@ def test_orphan_shards_and_temp_files_are_removed_at_start_up(tmp_path):
     a2 = h2.worker("b", slots=4)
     accept(h2, a2, *ids(1, 2, 3))
     assert it.sealed
+
+
+def test_a_done_task_is_a_row_of_its_own_and_one_marked_done_in_its_task_row_by_an_older_coordinator_is_read(tmp_path):
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=3)
+    h1.sched.submit(RUN, 1, specs(4), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 1, 2)
+    accept(h1, a, "t00", "t01")
+    db = h1.coord.db.connection
+    shard = h1.it().shard_of["t00"]
+    # the task's row (its spec) is not rewritten when it is done: a narrow row records that
+    assert db.execute("SELECT task_id, done_by, shard FROM sched_done ORDER BY task_id").fetchall() == [("t00", "a", shard), ("t01", "a", shard)]
+    assert db.execute("SELECT DISTINCT done_by, shard FROM sched_tasks").fetchall() == [("", "")]
+    with h1.coord.db.tx():  # as a coordinator before sched_done recorded them: in the tasks' rows
+        db.execute("UPDATE sched_tasks SET done_by='a', shard=? WHERE task_id IN ('t00', 't01')", (shard,))
+        db.execute("DELETE FROM sched_done")
+
+    h2 = restart(h1, tmp_path)
+    it = h2.it()
+    assert [it.tasks[t].status for t in ids(0, 1, 2, 3)] == [TaskStatus.DONE, TaskStatus.DONE, TaskStatus.QUEUED, TaskStatus.QUEUED]
+    assert it.groups["t01"].task_id == "t01" and it.shard_of["t00"] == shard
+
+    # their shard lost: not done any more, in either place, so a second restart requeues them too
+    (h2.store.iteration_dir(RUN, 1) / shard).unlink()
+    h3 = restart(h2, tmp_path)
+    assert all(h3.it().tasks[t].status is TaskStatus.QUEUED for t in ids(0, 1, 2, 3))
+    assert h3.it().counters.groups_lost == 2
+    h4 = restart(h3, tmp_path)
+    assert all(h4.it().tasks[t].status is TaskStatus.QUEUED for t in ids(0, 1, 2, 3)) and h4.it().counters.groups_lost == 2
