@@ -19,7 +19,7 @@ import json
 
 from elasticrl._proto import scheduler_pb2 as spb
 from elasticrl.coordinator.persist import StateDB
-from elasticrl.scheduler.convert import task_from_pb, task_wire
+from elasticrl.scheduler.convert import shared_sampling, task_from_pb, task_wire
 from elasticrl.scheduler.state import (
     Counters,
     Iteration,
@@ -260,7 +260,8 @@ def _stored_spec(value: bytes | str) -> TaskSpec:
     if isinstance(value, bytes):
         return task_from_pb("sched_tasks.spec", spb.TaskSpec.FromString(value), keep_wire=True)
     d = json.loads(value)
-    return TaskSpec(**{**d, "prompt_ids": array.array("i", d["prompt_ids"]), "split": Split(d["split"]), "sampling": Sampling(**d["sampling"])})
+    return TaskSpec(**{**d, "prompt_ids": array.array("i", d["prompt_ids"]), "split": Split(d["split"]),
+                       "sampling": shared_sampling(Sampling(**d["sampling"]))})
 
 
 def _counters_json(it: Iteration, counters: Counters | None = None) -> str:

@@ -52,6 +52,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 from safetensors.numpy import load as st_load
@@ -73,7 +74,7 @@ class TrajectoryStore:
     def __init__(self, root: str | os.PathLike | None, *, fsync: bool = False):
         self.root = None if root is None else pathlib.Path(root)
         self.fsync = fsync
-        self._memory: dict[tuple[str, int, str], list[tuple[Group, list[int]]]] = {}
+        self._memory: dict[tuple[str, int, str], list[tuple[Group, Sequence[int]]]] = {}
         self._next: dict[tuple[str, int], int] = {}
         self._made: set[pathlib.Path] = set()  # iteration directories known to exist
         self._reaper: concurrent.futures.ThreadPoolExecutor | None = None  # retires dropped shards
@@ -85,7 +86,7 @@ class TrajectoryStore:
         assert self.root is not None, "in-memory store has no directories"
         return self.root / run_id / f"{iteration:08d}"
 
-    def write_shard(self, run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> str:
+    def write_shard(self, run_id: str, iteration: int, groups: list[tuple[Group, Sequence[int]]]) -> str:
         """Store ``(group, prompt ids)`` pairs as one new shard; returns its name."""
         name = self.reserve(run_id, iteration)
         self.write(run_id, iteration, name, groups)
@@ -100,7 +101,7 @@ class TrajectoryStore:
         self._next[key] = n + 1
         return f"shard-{n:06d}.safetensors"
 
-    def write(self, run_id: str, iteration: int, name: str, groups: list[tuple[Group, list[int]]]) -> None:
+    def write(self, run_id: str, iteration: int, name: str, groups: list[tuple[Group, Sequence[int]]]) -> None:
         """Store ``groups`` as shard ``name`` (from ``reserve``). Durable, it only writes files, so
         it may run in a worker thread while the event loop goes on (``core.ResultPipeline``).
 
@@ -198,7 +199,7 @@ class TrajectoryStore:
             del self._memory[key]
         return True
 
-    def read_shard(self, run_id: str, iteration: int, name: str) -> list[tuple[Group, list[int]]]:
+    def read_shard(self, run_id: str, iteration: int, name: str) -> list[tuple[Group, Sequence[int]]]:
         if self.root is None:
             return list(self._memory[(run_id, iteration, name)])
         else:
@@ -323,7 +324,7 @@ _DTYPES = {"<i4": "I32", "<f4": "F32", "|u1": "U8", "<i8": "I64"}
 _ITEMSIZE = {"I32": 4, "F32": 4, "U8": 1, "I64": 8}
 
 
-def shard_chunks(run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> list:
+def shard_chunks(run_id: str, iteration: int, groups: list[tuple[Group, Sequence[int]]]) -> list:
     """The v3 safetensors file of ``groups`` as a list of buffers to write one after the other.
 
     Written by hand (8-byte header length, JSON header, raw data) because ``safetensors.numpy.save``
@@ -359,18 +360,15 @@ def _prompt_ids(prompts: list) -> np.ndarray:
     ``array("i")`` (``convert.task_from_pb``), copied here as a whole, not an id at a time."""
     joined = array.array("i")
     for p in prompts:
-        if isinstance(p, array.array) and p.typecode == "i":
-            joined += p
-        else:
-            joined.extend(p)
+        joined.extend(p)  # an array("i") as one copy
     return np.frombuffer(joined, dtype=np.intc).astype("<i4", copy=False)
 
 
-def encode_shard(run_id: str, iteration: int, groups: list[tuple[Group, list[int]]]) -> bytes:
+def encode_shard(run_id: str, iteration: int, groups: list[tuple[Group, Sequence[int]]]) -> bytes:
     return b"".join(shard_chunks(run_id, iteration, groups))
 
 
-def decode_shard(data: bytes) -> list[tuple[Group, list[int]]]:
+def decode_shard(data: bytes) -> list[tuple[Group, Sequence[int]]]:
     """The ``(group, prompt ids)`` pairs of a shard file of any format this store ever wrote.
 
     Raises:

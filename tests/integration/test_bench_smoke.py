@@ -42,14 +42,14 @@ def test_the_scheduler_bench_times_a_submit_and_the_keep_alives_beside_it_at_a_t
 
 def test_the_scheduler_scale_bench_measures_each_worker_count_at_a_toy_size(tmp_path):
     doc = bench("scheduler_scale.py", tmp_path, "--workers", "2,8", "--tasks-per-worker", "2", "--iterations", "1", "--warmup", "1",
-                "--tokens", "4", "--submit-tasks", "5,20", "--prompt-tokens", "3", "--gc-iterations", "2", "--gc-tasks", "50")
+                "--tokens", "4", "--submit-tasks", "5,20", "--prompt-tokens", "3", "--gc-iterations", "2", "--gc-tasks", "500")
     assert [(r["state"], r["workers"]) for r in doc["scale"]] == [("memory", 2), ("memory", 8), ("durable", 2), ("durable", 8)]
     assert all(r["us_per_batch"] > 0 and r["batches"] == 2 * r["workers"] for r in doc["scale"]), doc["scale"]
     assert [(r["state"], r["tasks"]) for r in doc["submit"]] == [("memory", 5), ("memory", 20), ("durable", 5), ("durable", 20)]
     assert all(r["ms"] > 0 for r in doc["submit"]), doc["submit"]
     # held tasks: the coordinator's copy of a spec is three objects the garbage collector tracks
     # (task, spec, prompt array), not eight with every prompt id among them
-    assert [(r["state"], r["tasks"]) for r in doc["held"]] == [("memory", 100), ("durable", 100)]
+    assert [(r["state"], r["tasks"]) for r in doc["held"]] == [("memory", 1000), ("durable", 1000)]
     assert all(r["tracked_per_task"] <= 3.5 and r["full_gc_ms"] > 0 for r in doc["held"]), doc["held"]
 
 

@@ -68,7 +68,7 @@ def test_a_big_submit_converts_its_tasks_off_the_event_loop_and_still_names_a_ba
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
     assert sorted(h.sched.iterations[RUN]) == [1, 2]  # the refused submit left nothing
-    assert h.it(1).tasks["t00000"].spec.__dict__["_wire"] == request(1, 1).tasks[0].SerializeToString()
+    assert h.it(1).tasks["t00000"].spec._wire == request(1, 1).tasks[0].SerializeToString()
 
 
 def test_a_submitted_tasks_unknown_fields_are_neither_stored_nor_handed_out():
@@ -79,7 +79,7 @@ def test_a_submitted_tasks_unknown_fields_are_neither_stored_nor_handed_out():
     r.tasks[0].MergeFromString(extra)
     assert extra in r.tasks[0].SerializeToString()
     asyncio.run(asyncio.wait_for(servicer.SubmitIteration(r, Context()), 10))
-    wire = h.it(1).tasks["t00000"].spec.__dict__["_wire"]
+    wire = h.it(1).tasks["t00000"].spec._wire
     assert extra not in wire and wire == request(1, 1).tasks[0].SerializeToString()
 
 
