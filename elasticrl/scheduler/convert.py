@@ -35,7 +35,7 @@ def task_from_pb(field: str, t: spb.TaskSpec, *, keep_wire: bool = False) -> Tas
     task, kept while its iteration is): the message's bytes stay with the spec (see ``task_wire``),
     re-serialized from ``t`` without its unknown fields (C, ~1 us for a 200-token prompt), so it is
     stored and handed out as that, not rebuilt from the dataclass in Python; and the spec is kept
-    compact (``_compact``): its prompt an ``array("i")``, its ``Sampling`` shared with every
+    compact: its prompt an ``array("i")``, its ``Sampling`` shared with every
     equal one, so nobody may change it. Without it (a worker's copy): lists and a ``Sampling`` of
     its own."""
     v.ident(f"{field}.task_id", t.task_id)

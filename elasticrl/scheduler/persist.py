@@ -2,8 +2,9 @@
 
 They share ``StateDB``'s connection and transactions, so a change that touches membership and
 tasks together commits together. What is stored: each iteration's config, submit wall time,
-counters and seal; each node's stats per iteration; each task's spec, requeue count, and (once
-accepted) who completed it and the shard that holds its group; failed attempts per task. Which
+counters and seal; each node's stats per iteration; each task's spec and requeue count, and (once
+accepted, a row of ``sched_done``) who completed it and the shard that holds its group; failed
+attempts per task. Which
 worker runs which task is not stored: after a restart every unfinished task is queued again and
 workers reconnect (their late results are still accepted once). JSON columns, no pickle; a task's
 spec is its ``TaskSpec`` message (a state dir written before that has it as JSON, still read).
