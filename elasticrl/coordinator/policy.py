@@ -15,6 +15,7 @@ from elasticrl.coordinator.state import (
     Barrier,
     BarrierResult,
     Member,
+    MemberStatus,
     Outcome,
     Rendezvous,
     Run,
@@ -86,13 +87,24 @@ def decide_barrier(barrier: Barrier, run: Run, now: float) -> BarrierDecision:
     """
     if barrier.result is not None:
         return BarrierDecision(barrier.result, (), "already decided")
-    gone = sorted(m for m, inc in barrier.expected.items() if not run.is_live(m, inc))
-    waiting_for = sorted(
-        m
-        for m, inc in barrier.expected.items()
-        if run.is_live(m, inc) and barrier.arrived.get(m) != inc
-    )
-    arrived = sorted(m for m, inc in barrier.arrived.items() if run.is_live(m, inc))
+    # One pass over the expected members and one over the arrived, liveness inlined (run.is_live):
+    # this runs once per barrier over every member.
+    members, live_status, got = run.members, MemberStatus.LIVE, barrier.arrived
+    gone, waiting_for = [], []
+    for m, inc in barrier.expected.items():
+        member = members.get(m)
+        if member is None or member.status is not live_status or member.incarnation != inc:
+            gone.append(m)
+        elif got.get(m) != inc:
+            waiting_for.append(m)
+    gone.sort()
+    waiting_for.sort()
+    arrived = []
+    for m, inc in got.items():
+        member = members.get(m)
+        if member is not None and member.status is live_status and member.incarnation == inc:
+            arrived.append(m)
+    arrived.sort()
     if not waiting_for:
         reason = f"all {len(arrived)} live members arrived"
         if gone:

@@ -35,8 +35,18 @@ def _shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# Ids and names found valid before: the same few recur in every request (each member's id in
+# each of its keep-alives and arrivals), and a set lookup is ~5x cheaper than the regex. Bounded:
+# emptied when full.
+_VALID_IDS: set[str] = set()
+_VALID_NAMES: set[str] = set()
+_VALID_MAX = 16384
+
+
 def ident(field: str, value: str) -> str:
     """Run and member ids: 1-128 characters of letters, digits and ``._:@=+-``."""
+    if value in _VALID_IDS:
+        return value
     if not value:
         raise InvalidRequestError(f"{field}: must not be empty")
     if len(value) > MAX_ID_LEN or not ID_RE.fullmatch(value):
@@ -44,11 +54,14 @@ def ident(field: str, value: str) -> str:
             f"{field}: {_shown(value)} is not a valid id; use 1-{MAX_ID_LEN} characters of "
             "letters, digits and ._:@=+- starting with a letter or digit"
         )
+    _remember(_VALID_IDS, value)
     return value
 
 
 def name(field: str, value: str) -> str:
     """Barrier names: like ids, but up to 256 characters and ``/`` allowed (``iter-3/rollout``)."""
+    if value in _VALID_NAMES:
+        return value
     if not value:
         raise InvalidRequestError(f"{field}: must not be empty")
     if len(value) > MAX_NAME_LEN or not NAME_RE.fullmatch(value):
@@ -56,12 +69,25 @@ def name(field: str, value: str) -> str:
             f"{field}: {_shown(value)} is not a valid name; use 1-{MAX_NAME_LEN} characters of "
             "letters, digits and ._:@=+/- starting with a letter or digit"
         )
+    _remember(_VALID_NAMES, value)
     return value
 
 
+def _remember(valid: set[str], value: str) -> None:
+    if len(valid) >= _VALID_MAX:
+        valid.clear()
+    valid.add(value)
+
+
 def member_ref(field: str, ref) -> tuple[str, int]:
-    """A ``MemberRef`` message's (member id, incarnation)."""
-    return ident(f"{field}.member_id", ref.member_id), incarnation(f"{field}.incarnation", ref.incarnation)
+    """A ``MemberRef`` message's (member id, incarnation). (The field names are built only for an
+    error: this runs once per member per barrier and keep-alive.)"""
+    member_id, inc = ref.member_id, ref.incarnation
+    if member_id not in _VALID_IDS:
+        ident(f"{field}.member_id", member_id)
+    if inc <= 0:
+        incarnation(f"{field}.incarnation", inc)
+    return member_id, inc
 
 
 def text(field: str, value: str, max_len: int) -> str:

@@ -261,3 +261,13 @@ def test_in_memory_arrive_together_records_at_once():
 
     (result,) = asyncio.run(asyncio.wait_for(arrive(), 5))
     assert result.outcome is Outcome.COMPLETED
+
+
+def test_a_new_barrier_ignores_a_not_arrived_set_left_under_its_name(core):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    core._not_arrived[("r", "x")] = {"ghost"}  # stale: no barrier "x" exists, "ghost" is no member
+    (first,) = core.arrive_many([Arrival("r", "a", a.incarnation, "x", timeout_s=10)])
+    assert first is None and core._not_arrived[("r", "x")] == {"b"}  # rebuilt for this barrier
+    (done,) = core.arrive_many([Arrival("r", "b", b.incarnation, "x", timeout_s=10)])
+    assert done.outcome is Outcome.COMPLETED and done.arrived == ["a", "b"] and ("r", "x") not in core._not_arrived
