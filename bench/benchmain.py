@@ -3,6 +3,9 @@ and an ``ExitStack`` that clean up whatever happens, the run, then JSON plus a r
 
 With ``--json-out`` the JSON goes to that file and the table to stdout; without it the JSON goes to
 stdout and the table to stderr, so ``bench/x.py | jq`` works.
+
+SIGTERM (``kill``, a job scheduler's timeout) unwinds like Ctrl-C: the processes a bench started
+(coordinators, workers, sinks) are stopped and its directory removed, instead of being left running.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import contextlib
 import json
 import pathlib
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -30,6 +35,8 @@ def run_main(
     prefix: str,
 ) -> int:
     started = time.monotonic()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     with contextlib.ExitStack() as cleanup:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
         cleanup.callback(shutil.rmtree, tmp, True)
@@ -48,3 +55,7 @@ def run_main(
         print(text)
         print(table, file=sys.stderr)
     return 0
+
+
+def _terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)  # through the ExitStack: what the bench started is stopped

@@ -91,3 +91,40 @@ def test_the_coordinator_bench_compares_each_coordinator_row_with_tcpstore_of_th
     compare_tcpstore(rows)
     assert [(r.get("x_tcpstore"), r.get("tcpstore_goal", {}).get("status")) for r in rows] == [
         (1.2, "PASS"), (None, None), (2.0, "MISS"), (None, None), (None, None)]
+
+
+def test_a_bench_stopped_with_sigterm_stops_the_processes_it_started_and_removes_its_directory(tmp_path):
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the bench's own directory lands here
+    driver = subprocess.Popen([sys.executable, str(REPO / "bench" / "coordinator.py"), "--members", "4", "--rounds", "100000",
+                               "--transports", "batched", "--modes", "memory", "--patterns", "burst", "--skip-baselines",
+                               "--skip-failure", "--workers", "1"], cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(children) < 2:  # the coordinator and the members' process
+            children = [int(p) for p in pathlib.Path(f"/proc/{driver.pid}/task/{driver.pid}/children").read_text().split()]
+            time.sleep(0.1)
+        assert len(children) >= 2, children
+        time.sleep(1.0)  # measuring
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    # stopped and reaped by the driver, not left running under init (killed here if they were)
+    def running(pid: int) -> bool:
+        try:
+            return "zombie" not in pathlib.Path(f"/proc/{pid}/status").read_text().lower()
+        except FileNotFoundError:
+            return False
+
+    left = [pid for pid in children if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("elasticrl-bench-")]
