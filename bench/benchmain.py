@@ -35,8 +35,7 @@ def run_main(
     prefix: str,
 ) -> int:
     started = time.monotonic()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminated)
+    unwind_on_sigterm()
     with contextlib.ExitStack() as cleanup:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
         cleanup.callback(shutil.rmtree, tmp, True)
@@ -57,5 +56,13 @@ def run_main(
     return 0
 
 
+def unwind_on_sigterm() -> None:
+    """From now on SIGTERM raises ``SystemExit`` in the main thread, so ``finally`` blocks and
+    ``ExitStack`` callbacks stop what the bench started (the default action ends the process at
+    once and leaves its children running)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
 def _terminated(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)  # through the ExitStack: what the bench started is stopped
+    raise SystemExit(128 + signum)

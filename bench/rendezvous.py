@@ -38,6 +38,7 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchmain import unwind_on_sigterm  # noqa: E402
 from tests.integration.torchrun_cluster import TorchrunCluster  # noqa: E402
 
 GOAL_SPEEDUP = 3.0
@@ -187,6 +188,7 @@ def _cell(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    unwind_on_sigterm()
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="elasticrl-bench-rdzv-"))
     results = []
     try:
