@@ -149,7 +149,8 @@ class Run:
     lease_floor: float = 0.0
 
     def live_members(self) -> dict[str, Member]:
-        return {m.member_id: m for m in self.members.values() if m.live}
+        live = MemberStatus.LIVE  # (m.live inlined: every new barrier asks, over every member)
+        return {m.member_id: m for m in self.members.values() if m.status is live}
 
     def is_live(self, member_id: str, incarnation: int) -> bool:
         m = self.members.get(member_id)
