@@ -43,8 +43,10 @@ _VALID_NAMES: set[str] = set()
 _VALID_MAX = 16384
 
 
-def ident(field: str, value: str) -> str:
-    """Run and member ids: 1-128 characters of letters, digits and ``._:@=+-``."""
+def ident(field: str, value: str, *, remember: bool = True) -> str:
+    """Run and member ids: 1-128 characters of letters, digits and ``._:@=+-``. ``remember``
+    False: an id seen once (a task's), kept out of the remembered set, which holds the ids that
+    recur."""
     if value in _VALID_IDS:
         return value
     if not value:
@@ -54,7 +56,8 @@ def ident(field: str, value: str) -> str:
             f"{field}: {_shown(value)} is not a valid id; use 1-{MAX_ID_LEN} characters of "
             "letters, digits and ._:@=+- starting with a letter or digit"
         )
-    _remember(_VALID_IDS, value)
+    if remember:
+        _remember(_VALID_IDS, value)
     return value
 
 

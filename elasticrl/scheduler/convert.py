@@ -38,7 +38,7 @@ def task_from_pb(field: str, t: spb.TaskSpec, *, keep_wire: bool = False) -> Tas
     compact: its prompt an ``array("i")``, its ``Sampling`` shared with every
     equal one, so nobody may change it. Without it (a worker's copy): lists and a ``Sampling`` of
     its own."""
-    v.ident(f"{field}.task_id", t.task_id)
+    v.ident(f"{field}.task_id", t.task_id, remember=False)
     if len(t.prompt_ids) > MAX_PROMPT_TOKENS:
         raise InvalidRequestError(f"{field}.prompt_ids: {len(t.prompt_ids)} tokens, at most {MAX_PROMPT_TOKENS}")
     if not t.prompt_ids and not t.prompt_text:
@@ -128,7 +128,7 @@ def task_to_pb(t: TaskSpec) -> spb.TaskSpec:
 
 
 def group_from_pb(field: str, g: spb.TrajectoryGroup) -> tuple[int, GroupRecord]:
-    v.ident(f"{field}.task_id", g.task_id)
+    v.ident(f"{field}.task_id", g.task_id, remember=False)
     samples = []
     for j, s in enumerate(g.samples):
         if len(s.completion_ids) % 4 or len(s.logprobs) != len(s.completion_ids):

@@ -452,7 +452,7 @@ def _read_group(field: str, buf: bytes, start: int, end: int, node: str) -> tupl
             canonical = False
     if i != end:
         raise FramingError(f"{field}: the last field runs past the group's end")
-    task_id = v.ident(f"{field}.task_id", _text(buf, task, f"{field}.task_id"))
+    task_id = v.ident(f"{field}.task_id", _text(buf, task, f"{field}.task_id"), remember=False)
     tokens = nbytes = 0
     for j, f in enumerate(samples):
         ids_len, lps_len, reward, mask_len = f[1] - f[0], f[3] - f[2], f[4], f[10] - f[9]

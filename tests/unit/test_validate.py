@@ -38,3 +38,14 @@ def test_member_ref_names_the_field_of_a_bad_id_or_incarnation():
         v.member_ref("member", pb.MemberRef(member_id="rank 0", incarnation=2))
     with pytest.raises(InvalidRequestError, match=r"member\.incarnation: must be the positive incarnation"):
         v.member_ref("member", pb.MemberRef(member_id="rank-0", incarnation=0))
+
+
+def test_task_ids_are_checked_but_not_remembered(monkeypatch):
+    from elasticrl._proto import scheduler_pb2 as spb
+    from elasticrl.scheduler.convert import task_from_pb
+
+    monkeypatch.setattr(v, "_VALID_IDS", set())
+    task_from_pb("tasks[0]", spb.TaskSpec(task_id="t-000001", num_samples=1, prompt_ids=[1]), keep_wire=True)
+    assert v._VALID_IDS == set()  # seen once: it would only push out the member ids that recur
+    with pytest.raises(InvalidRequestError, match=r"tasks\[0\]\.task_id"):
+        task_from_pb("tasks[0]", spb.TaskSpec(task_id="t 1", num_samples=1, prompt_ids=[1]))
