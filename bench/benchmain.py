@@ -35,15 +35,19 @@ def run_main(
     prefix: str,
 ) -> int:
     started = time.monotonic()
-    unwind_on_sigterm()
-    with contextlib.ExitStack() as cleanup:
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
-        cleanup.callback(shutil.rmtree, tmp, True)
-        try:
-            doc = run(tmp, cleanup)
-        except BenchError as exc:
-            print(f"{script}: {exc}", file=sys.stderr)
-            return 1
+    previous = unwind_on_sigterm()
+    try:
+        with contextlib.ExitStack() as cleanup:
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+            cleanup.callback(shutil.rmtree, tmp, True)
+            try:
+                doc = run(tmp, cleanup)
+            except BenchError as exc:
+                print(f"{script}: {exc}", file=sys.stderr)
+                return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
     text = json.dumps(doc, indent=2)
     table = render(doc)
@@ -56,13 +60,16 @@ def run_main(
     return 0
 
 
-def unwind_on_sigterm() -> None:
+def unwind_on_sigterm():
     """From now on SIGTERM raises ``SystemExit`` in the main thread, so ``finally`` blocks and
     ``ExitStack`` callbacks stop what the bench started (the default action ends the process at
-    once and leaves its children running)."""
+    once and leaves its children running). Returns the handler it replaced (None off the main
+    thread, where nothing is installed)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminated)
+        return signal.signal(signal.SIGTERM, _terminated)
+    return None
 
 
 def _terminated(signum: int, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short (SIGKILL still does)
     raise SystemExit(128 + signum)

@@ -229,7 +229,13 @@ class WorkerPool:
     """``n`` long-lived workers; member (rank) i of a barrier lives in worker i mod n."""
 
     def __init__(self, n: int, log_path: pathlib.Path):
-        self.workers = [Worker(log_path) for _ in range(n)]
+        self.workers: list[Worker] = []
+        try:
+            for _ in range(n):
+                self.workers.append(Worker(log_path))
+        except BaseException:  # those started so far are nobody's to stop otherwise
+            self.kill()
+            raise
 
     def setup(self, impl: str, world: int, **cfg) -> list[Worker]:
         used = []
@@ -510,8 +516,8 @@ class Bench:
     def latency(self, impl: str, mode: str, n: int, pattern: str, transport: str = "-") -> dict:
         a = self.args
         if self.pool is None:
+            self.cleanup.callback(lambda: self.pool is not None and self.pool.kill())
             self.pool = WorkerPool(a.workers, self.tmp / "workers.log")
-            self.cleanup.callback(self.pool.kill)
         common = dict(round_timeout_s=self.round_timeout_s, barrier_timeout_s=a.barrier_timeout_s, relay_members=a.relay_members)
         if impl == "coordinator":
             from elasticrl.coordinator.client import CoordinatorClient

@@ -70,7 +70,7 @@ def start_coordinator(
         )
     try:
         return proc, wait_for_port(proc, port_file, timeout_s=timeout_s, log_path=log_path)
-    except CoordinatorStartError:
+    except BaseException:  # a start that failed, or the caller stopping (SIGTERM, Ctrl-C) meanwhile
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)

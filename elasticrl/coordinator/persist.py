@@ -41,7 +41,11 @@ from elasticrl.coordinator.state import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions this code opens; an older one is marked SCHEMA_VERSION once open, so a coordinator
+# from before stops with a clear error instead of misreading it. 2: a done task is a row of
+# sched_done (version 1 had it in its sched_tasks row, still read), a task's spec its message.
+READS_SCHEMA = (1, 2)
 # How long a coordinator waits for another process's lock on the state database before it stops.
 LOCK_WAIT_S = 1.0
 
@@ -96,13 +100,13 @@ class StateDB:
                 "--state-dir?); stop it first, or give this one another --state-dir"
             ) from None
         version = self._meta("schema_version")
-        if version is None:
-            self._set_meta("schema_version", str(SCHEMA_VERSION))
-        elif int(version) != SCHEMA_VERSION:
+        if version is not None and int(version) not in READS_SCHEMA:
             raise RuntimeError(
-                f"{path}: state schema version {version}, this coordinator reads {SCHEMA_VERSION}; "
-                "start with a fresh --state-dir"
+                f"{path}: state schema version {version}, this coordinator reads "
+                f"{', '.join(map(str, READS_SCHEMA))}; start with a fresh --state-dir (or the coordinator that wrote it)"
             )
+        if version is None or int(version) != SCHEMA_VERSION:
+            self._set_meta("schema_version", str(SCHEMA_VERSION))
         self._depth = 0
 
     # -- transactions ------------------------------------------------------------------------

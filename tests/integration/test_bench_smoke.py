@@ -103,14 +103,17 @@ def test_a_bench_stopped_with_sigterm_stops_the_processes_it_started_and_removes
                                "--transports", "batched", "--modes", "memory", "--patterns", "burst", "--skip-baselines",
                                "--skip-failure", "--workers", "1"], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    listing = pathlib.Path(f"/proc/{driver.pid}/task/{driver.pid}/children")
     try:
+        if not listing.exists():
+            pytest.skip("this kernel does not list a process's children (CONFIG_PROC_CHILDREN)")
         children: list[int] = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(children) < 2:  # the coordinator and the members' process
-            children = [int(p) for p in pathlib.Path(f"/proc/{driver.pid}/task/{driver.pid}/children").read_text().split()]
-            time.sleep(0.1)
+            children = [int(p) for p in listing.read_text().split()]
+            time.sleep(0.05)
         assert len(children) >= 2, children
-        time.sleep(1.0)  # measuring
+        time.sleep(0.2)  # while they start: a coordinator not yet serving is stopped too
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=60) == 128 + signal.SIGTERM
     finally:

@@ -76,6 +76,7 @@ def test_only_the_newest_sealed_iterations_are_kept(tmp_path):
     db = h.coord.db.connection
     assert db.execute("SELECT COUNT(*) FROM sched_iterations").fetchone()[0] == 3
     assert db.execute("SELECT COUNT(DISTINCT iteration) FROM sched_tasks").fetchone()[0] == 3
+    assert [r[0] for r in db.execute("SELECT DISTINCT iteration FROM sched_done ORDER BY iteration")] == [8, 9, 10]
     old = h.store.iteration_dir(RUN, 1)
     h.store.settle(5.0)  # the files go in a background thread
     assert not list(old.glob("shard-*")) and (old / "manifest.json").exists()
@@ -124,7 +125,11 @@ def test_the_seal_waiters_map_is_empty_after_a_timed_out_wait():
 def test_a_new_run_past_max_runs_replaces_a_closed_one_or_is_refused(tmp_path):
     h = Harness(state_dir=tmp_path)
     h.coord.limits = Limits(max_runs=2)
+    w = h.worker("a")
     h.sched.submit(RUN, 1, specs(1), IterationConfig())
+    h.sched.accept(w, [(1, group(t)) for t in assigned(drain(w))])  # a done task: a sched_done row
+    assert h.coord.db.connection.execute("SELECT COUNT(*) FROM sched_done").fetchone()[0] == 1
+    h.coord.leave(RUN, "a", h.incarnations["a"])  # a closed run is dropped once no member is live
     h.coord.kv_set("other", [(b"k", b"v")])
     with pytest.raises(ResourceLimitError, match="--max-runs"):
         h.coord.kv_set("third", [(b"k", b"v")])
@@ -134,4 +139,5 @@ def test_a_new_run_past_max_runs_replaces_a_closed_one_or_is_refused(tmp_path):
     assert sorted(h.coord.runs) == ["other", "third"]
     assert RUN not in h.sched.iterations
     assert h.coord.db.connection.execute("SELECT COUNT(*) FROM sched_tasks").fetchone()[0] == 0
+    assert h.coord.db.connection.execute("SELECT COUNT(*) FROM sched_done").fetchone()[0] == 0
     assert f'run="{RUN}"' not in h.coord.metrics.render()

@@ -9,6 +9,8 @@ import json
 import logging
 import os
 
+import pytest
+
 from elasticrl.scheduler.state import IterationConfig, Split, TaskStatus
 from elasticrl.scheduler.store import MANIFEST, TrajectoryStore
 
@@ -148,8 +150,11 @@ def test_a_done_task_is_a_row_of_its_own_and_one_marked_done_in_its_task_row_by_
     with h1.coord.db.tx():  # as a coordinator before sched_done recorded them: in the tasks' rows
         db.execute("UPDATE sched_tasks SET done_by='a', shard=? WHERE task_id IN ('t00', 't01')", (shard,))
         db.execute("DELETE FROM sched_done")
+        db.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
 
     h2 = restart(h1, tmp_path)
+    # marked with this version once open: a coordinator from before refuses it instead of misreading it
+    assert h2.coord.db.connection.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
     it = h2.it()
     assert [it.tasks[t].status for t in ids(0, 1, 2, 3)] == [TaskStatus.DONE, TaskStatus.DONE, TaskStatus.QUEUED, TaskStatus.QUEUED]
     assert it.groups["t01"].task_id == "t01" and it.shard_of["t00"] == shard
@@ -161,3 +166,11 @@ def test_a_done_task_is_a_row_of_its_own_and_one_marked_done_in_its_task_row_by_
     assert h3.it().counters.groups_lost == 2
     h4 = restart(h3, tmp_path)
     assert all(h4.it().tasks[t].status is TaskStatus.QUEUED for t in ids(0, 1, 2, 3)) and h4.it().counters.groups_lost == 2
+
+
+def test_a_state_dir_of_an_unknown_schema_version_is_refused_by_name(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    with h.coord.db.tx():
+        h.coord.db.connection.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
+    with pytest.raises(RuntimeError, match="state schema version 9, this coordinator reads 1, 2; start with a fresh --state-dir"):
+        restart(h, tmp_path)
