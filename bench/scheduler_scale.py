@@ -112,28 +112,42 @@ def measure(workers: int, mode: str, a, tmp: pathlib.Path) -> dict:
     return {"workers": workers, "state": mode, "batches": batches, "us_per_batch": round(cpu / batches * 1e6, 1)}
 
 
-def measure_submit(tasks: int, mode: str, a, tmp: pathlib.Path) -> dict:
+def submit_request(tasks: int, prompt_tokens: int):
+    """A ``SubmitIterationRequest`` of ``tasks`` tasks with ``prompt_tokens``-token prompts."""
+    from elasticrl._proto import scheduler_pb2 as spb
+
+    request = spb.SubmitIterationRequest(run_id=RUN)
+    for k in range(tasks):
+        t = request.tasks.add(task_id=f"task-{k:07d}", num_samples=8, metadata_json='{"row": %d}' % k)
+        t.prompt_ids.extend(range(1000, 1000 + prompt_tokens))
+    return request
+
+
+def submit(sched, data: bytes) -> None:
+    """A serialized ``SubmitIterationRequest`` parsed, checked and converted as ``SubmitIteration``
+    does, then submitted (what the coordinator's event loop spends on a submit)."""
     from elasticrl._proto import scheduler_pb2 as spb
     from elasticrl.scheduler.convert import task_from_pb
     from elasticrl.scheduler.state import IterationConfig
 
+    parsed = spb.SubmitIterationRequest.FromString(data)
+    sched.submit(RUN, parsed.iteration, [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(parsed.tasks)],
+                 IterationConfig())
+
+
+def measure_submit(tasks: int, mode: str, a, tmp: pathlib.Path) -> dict:
     _, db, coord, sched = scheduler(mode, tmp / f"submit-{mode}-{tasks}")
     for i in range(64):
         member, _ = coord.join(RUN, f"w{i:03d}")
         sched.connect(RUN, member.member_id, member.incarnation, slots=8, weight=1.0)
-    request = spb.SubmitIterationRequest(run_id=RUN)
-    for k in range(tasks):
-        t = request.tasks.add(task_id=f"task-{k:07d}", num_samples=8, metadata_json='{"row": %d}' % k)
-        t.prompt_ids.extend(range(1000, 1000 + a.prompt_tokens))
+    request = submit_request(tasks, a.prompt_tokens)
     times = []
     try:
         for it in range(1, 4):
             request.iteration = it
             data = request.SerializeToString()
             t0 = time.process_time()
-            parsed = spb.SubmitIterationRequest.FromString(data)
-            specs = [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(parsed.tasks)]
-            sched.submit(RUN, it, specs, IterationConfig())
+            submit(sched, data)
             times.append(time.process_time() - t0)
     finally:
         db.close()
@@ -149,25 +163,15 @@ def measure_gc(mode: str, a, tmp: pathlib.Path) -> dict:
     import gc
     import tracemalloc
 
-    from elasticrl._proto import scheduler_pb2 as spb
-    from elasticrl.scheduler.convert import task_from_pb
-    from elasticrl.scheduler.state import IterationConfig
-
     _, db, coord, sched = scheduler(mode, tmp / f"gc-{mode}")
-    request = spb.SubmitIterationRequest(run_id=RUN)
-    for k in range(a.gc_tasks):
-        t = request.tasks.add(task_id=f"task-{k:07d}", num_samples=8, metadata_json='{"row": %d}' % k)
-        t.prompt_ids.extend(range(1000, 1000 + a.prompt_tokens))
+    request = submit_request(a.gc_tasks, a.prompt_tokens)
     try:
         gc.collect()
         tracked0 = len(gc.get_objects())
         tracemalloc.start()
         for it in range(1, a.gc_iterations + 1):
             request.iteration = it
-            parsed = spb.SubmitIterationRequest.FromString(request.SerializeToString())
-            sched.submit(RUN, it, [task_from_pb(f"tasks[{i}]", t, keep_wire=True) for i, t in enumerate(parsed.tasks)],
-                         IterationConfig())
-            del parsed
+            submit(sched, request.SerializeToString())
         gc.collect()
         heap = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
