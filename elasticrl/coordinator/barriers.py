@@ -221,6 +221,8 @@ class BarrierOps:
             self._decide_barrier(run, barrier)
 
     def _decide_barrier(self, run: Run, barrier: Barrier) -> None:
+        if barrier.result is not None:  # decided meanwhile: an eviction re-decides every open barrier
+            return
         decision = policy.decide_barrier(barrier, run, self.clock())
         if decision.result is None:
             return

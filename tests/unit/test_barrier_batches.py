@@ -1,10 +1,12 @@
 """Arrivals in groups (``CoordinatorCore.arrive_many``) and the arrivals a Session stream holds
 (``session.StreamArrivals``), on a real core with an injected clock: one commit per message, memory
-unchanged when the commit fails, one refused arrival alone, and a release as one item per stream."""
+unchanged when the commit fails, one refused arrival alone, a release as one item per stream, and
+a durable core deciding exactly as a memory-only one under random messages."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import sqlite3
 
 import pytest
@@ -12,10 +14,10 @@ import pytest
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator import wire
 from elasticrl.coordinator.barriers import Arrival
-from elasticrl.coordinator.core import CoordinatorCore
+from elasticrl.coordinator.core import CoordinatorCore, Limits
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.session import Release, StreamArrivals
-from elasticrl.coordinator.state import Outcome
+from elasticrl.coordinator.state import Outcome, TimeoutPolicy
 from elasticrl.errors import FencedError, NotFoundError
 
 pytestmark = pytest.mark.timeout(30)
@@ -271,3 +273,64 @@ def test_a_new_barrier_ignores_a_not_arrived_set_left_under_its_name(core):
     assert first is None and core._not_arrived[("r", "x")] == {"b"}  # rebuilt for this barrier
     (done,) = core.arrive_many([Arrival("r", "b", b.incarnation, "x", timeout_s=10)])
     assert done.outcome is Outcome.COMPLETED and done.arrived == ["a", "b"] and ("r", "x") not in core._not_arrived
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_durable_core_decides_exactly_as_a_memory_only_one(seed, tmp_path):
+    """A durable core writes barrier and arrival rows, a memory-only one skips them: random
+    messages (repeats, stale incarnations, several barriers at once, deadlines passed before or
+    after a tick, members re-joining, a small keep_decided) must get the same answers and leave
+    the same state on both. (It found the double decision of the next test.)"""
+    rng = random.Random(seed)
+    clocks = [Clock(), Clock()]
+    cores = [CoordinatorCore(StateDB(db), lease_ttl_s=1e6, clock=c, limits=Limits(keep_decided_barriers=4))
+             for db, c in zip((tmp_path / "state.db", None), clocks)]
+    names = [f"b{i}" for i in range(6)]
+    for step in range(300):
+        roll = rng.random()
+        if roll < 0.1:  # a member joins (or re-joins: a new incarnation)
+            m = f"m{rng.randrange(10)}"
+            assert len({core.join("r", m)[0].incarnation for core in cores}) == 1
+            continue
+        if roll < 0.15:
+            step_s = rng.choice((1.0, 6.0))
+            for c in clocks:
+                c.now += step_s
+            if rng.random() < 0.5:  # else the next message comes past a deadline before any tick
+                for core in cores:
+                    core.tick()
+            continue
+        members = cores[0].runs["r"].members if "r" in cores[0].runs else {}
+        batch = []
+        for _ in range(rng.randrange(1, 8)):
+            if not members:
+                break
+            m = rng.choice(sorted(members))
+            inc = members[m].incarnation - (1 if rng.random() < 0.05 else 0)
+            policy_ = rng.choice((TimeoutPolicy.EVICT_MISSING, TimeoutPolicy.REPORT))
+            batch.append(Arrival("r", m, inc, rng.choice(names), timeout_s=5.0, policy=policy_))
+        answers = [core.arrive_many(list(batch)) for core in cores]
+        shown = [[type(r).__name__ if isinstance(r, Exception) else r for r in a] for a in answers]
+        assert shown[0] == shown[1], f"step {step}"
+        runs = [core.runs.get("r") for core in cores]
+        if runs[0] is not None:
+            assert list(runs[0].decided) == list(runs[1].decided), f"step {step}"
+            assert {n: (b.result, b.arrived) for n, b in runs[0].barriers.items()} == \
+                {n: (b.result, b.arrived) for n, b in runs[1].barriers.items()}, f"step {step}"
+            assert {m: (x.status, x.incarnation) for m, x in runs[0].members.items()} == \
+                {m: (x.status, x.incarnation) for m, x in runs[1].members.items()}, f"step {step}"
+            assert runs[0].epoch == runs[1].epoch
+
+
+def test_a_tick_does_not_decide_again_a_barrier_that_an_eviction_decided(core, clock):
+    a, _ = core.join("r", "a")
+    b, _ = core.join("r", "b")
+    for name in ("x", "y"):
+        core.arrive_many([Arrival("r", "a", a.incarnation, name, timeout_s=1)])
+    clock.now += 2
+    core.keep_alive("r", "a", a.incarnation)
+    core.keep_alive("r", "b", b.incarnation)
+    core.tick()  # x evicts b, which decides y at once; the tick then comes to y, already decided
+    run = core.runs["r"]
+    assert list(run.decided) == ["x", "y"]  # was ["x", "y", "y"]: y applied twice
+    assert run.barriers["x"].result.evicted == ["b"] and run.barriers["y"].result.outcome is Outcome.COMPLETED
