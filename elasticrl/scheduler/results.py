@@ -121,10 +121,13 @@ class ResultBook:
                 d.writes.append((iteration, shard, [(g, it.tasks[g.task_id].spec.prompt_ids) for g in batch]))
             if batch_id:
                 self._deciding[batch_id] = d
-        for iteration, group in groups:
-            key = (iteration, group.task_id)
-            if self._free_slot(conn, key):
-                d.released.append(key)
+            # Only a batch decided here frees its tasks' slots: a re-sent one's results were freed
+            # by its first copy, and a copy of one of those tasks this stream holds now is a new
+            # one (handed out again after a restart), which only its own result may free.
+            for iteration, group in groups:
+                key = (iteration, group.task_id)
+                if self._free_slot(conn, key):
+                    d.released.append(key)
         self._dispatch(conn.run_id, freed_only=True)
         return d
 

@@ -57,7 +57,7 @@ def step(core: CoordinatorCore, clock: Clock, rng: random.Random, log: list) -> 
     live = sorted(m for m, x in members.items() if x.live)
     roll = rng.random()
     retried = rng.random() < 0.3
-    request_id = lambda kind: f"{kind}-{rng.randrange(20)}" if retried else ""  # noqa: E731 - ids repeat: retries
+    request_id = lambda kind: f"{kind}-{rng.randrange(20)}" if retried else ""  # ids repeat: retries
     if roll < 0.15 or not live:
         m = rng.choice(MEMBERS)
         log.append(("join", run_id, m, retried))

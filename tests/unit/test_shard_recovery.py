@@ -174,3 +174,24 @@ def test_a_state_dir_of_an_unknown_schema_version_is_refused_by_name(tmp_path):
         h.coord.db.connection.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
     with pytest.raises(RuntimeError, match="state schema version 9, this coordinator reads 1, 2; start with a fresh --state-dir"):
         restart(h, tmp_path)
+
+
+def test_a_batch_resent_after_a_restart_does_not_free_the_slot_of_a_task_handed_out_again(tmp_path):
+    h1 = Harness(state_dir=tmp_path)
+    a, b = h1.worker("a", slots=1), h1.worker("b", slots=1)
+    h1.sched.submit(RUN, 1, specs(3), IterationConfig())
+    assert assigned(drain(a)) == ids(0) and assigned(drain(b)) == ids(1)
+    h1.sched.decide(b, [(1, group("t00"))], "b-1")  # b's copy of t00: decided, never committed
+    ack, _ = h1.sched.accept(a, [(1, group("t00"))], "a-1")  # a's is refused meanwhile
+    assert ack.refused == [(1, "t00", "duplicate")]
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)  # the crash loses b's batch: t00 is queued again
+    h2.incarnations["a"] = incarnation
+    a2 = h2.worker("a", slots=1)
+    assert assigned(drain(a2)) == ids(0)  # handed to a again
+    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # a re-sends the batch whose ack it lost
+    assert ack.refused == [(1, "t00", "duplicate")]  # its first answer
+    # a still holds its new copy of t00 (the old code freed it here and handed a t01/t02 beyond its one slot)
+    assert a2.worker.holding == {(1, "t00")} and not assigned(drain(a2))
+    h2.sched.disconnect(a2, "gone")
+    assert h2.it().tasks["t00"].status is TaskStatus.QUEUED  # and its stream closing requeues it
