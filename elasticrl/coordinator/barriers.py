@@ -92,6 +92,10 @@ class BarrierOps:
         (result,) = await self.arrive_together([arrival])
         if isinstance(result, Exception):
             raise result
+        # (a durable core answers at the end of the turn and this resumes at the next: what ran
+        # in between, a tick or another call, may have decided the barrier and fired already)
+        if result is None:
+            result = self.arrival_result(arrival)
         if result is not None:
             return result
         await self._barrier_signals.wait((run_id, name), wait_s if wait_s > 0 else None)
@@ -170,8 +174,11 @@ class BarrierOps:
             except Exception as exc:  # noqa: BLE001 - this arrival's error, not the others'
                 results[i] = exc
                 continue
+            if barrier.result is not None:  # a replay: its answer now (a decision below may drop the barrier)
+                results[i] = barrier.result
+                continue
             once = _key(a)
-            if barrier.result is None and barrier.arrived.get(a.member_id) != a.incarnation and once not in seen:
+            if barrier.arrived.get(a.member_id) != a.incarnation and once not in seen:
                 seen.add(once)
                 writes.append((i, run, barrier))
         # Barrier and arrival rows are read only when a restarted coordinator loads its state: a
@@ -204,7 +211,7 @@ class BarrierOps:
             if barrier.result is None:  # an eviction decided by an earlier barrier re-decides the rest
                 self._decide_if_unblocked(run, barrier, fresh=key in created)
         for i, a in enumerate(arrivals):
-            if not isinstance(results[i], Exception):
+            if results[i] is None:
                 barrier = self.runs[a.run_id].barriers.get(a.name)
                 results[i] = None if barrier is None else barrier.result
         return results

@@ -524,6 +524,12 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
             pending.round += 1
             pending.participants = list(decision.participants)
             pending.waiting = {m: i for m, i in pending.waiting.items() if m not in chosen}
+            # Those left waiting wait for the next round from now: its last call, its hold for
+            # this round's participants and its join timeout start over. (Kept, the old times
+            # made them a round at once, often in the same tick: the hold was over before this
+            # round's participants even had their answer, and those woken in that tick were in
+            # neither round.)
+            pending.waiting_since = pending.min_reached_at = None
         _track_waiting(pending, now)
         self._commit_rendezvous(run, pending)
         if decision.action == "timeout":

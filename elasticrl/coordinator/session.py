@@ -139,6 +139,11 @@ class StreamArrivals:
         errors = []
         now = asyncio.get_running_loop().time()
         for (request_id, arrival, wait_s), result in zip(arrivals, results):
+            if result is None:  # (see BarrierOps.arrive: decided, or fenced, since the commit answered)
+                try:
+                    result = self.core.arrival_result(arrival)
+                except Exception as exc:  # noqa: BLE001 - FencedError: this arrival's answer
+                    result = exc
             if isinstance(result, Exception):
                 errors.append(self._error(request_id, result))
             elif result is not None:

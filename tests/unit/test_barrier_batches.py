@@ -334,3 +334,24 @@ def test_a_tick_does_not_decide_again_a_barrier_that_an_eviction_decided(core, c
     run = core.runs["r"]
     assert list(run.decided) == ["x", "y"]  # was ["x", "y", "y"]: y applied twice
     assert run.barriers["x"].result.evicted == ["b"] and run.barriers["y"].result.outcome is Outcome.COMPLETED
+
+
+def test_a_unary_arrival_whose_barrier_is_decided_before_it_resumes_gets_the_result(core, clock):
+    """A durable core answers a group commit at the end of the loop's turn; a tick (or a join, a
+    leave) before the caller resumes may decide the barrier and fire its waiters already. The
+    caller then waited for a fire that had come: with wait_s 0 (until decided) for good."""
+    a, _ = core.join("r", "a")
+    core.join("r", "b")
+
+    async def scenario():
+        call = asyncio.ensure_future(core.arrive("r", "a", a.incarnation, "x", timeout_s=1, wait_s=0))
+        while "x" not in core.runs["r"].barriers:  # the group commit ran: a is recorded at x ...
+            await asyncio.sleep(0)
+        assert not call.done()  # ... and its answer (None: wait) has not reached the caller yet
+        clock.now += 2.0
+        core.keep_alive("r", "a", a.incarnation)
+        core.tick()  # b missed x: evicted, x decided
+        return await asyncio.wait_for(call, 2)
+
+    result = asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert result.outcome is Outcome.COMPLETED and result.arrived == ["a"] and result.evicted == ["b"]
