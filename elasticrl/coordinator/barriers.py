@@ -156,6 +156,9 @@ class BarrierOps:
         memory is unchanged and every arrival that was to be written gets that error.
         """
         results: list[BarrierResult | None | Exception] = [None] * len(arrivals)
+        # The barrier each arrival found or opened: answered from it, even if a later decision of
+        # this call drops it from the run (keep_decided_barriers).
+        found: list[Barrier | None] = [None] * len(arrivals)
         created: dict[tuple[str, str], Barrier] = {}  # barriers this call opens, by (run, name)
         writes: list[tuple[int, Run, Barrier]] = []  # arrivals to record, by index
         seen: set[tuple[str, str, str, int]] = set()
@@ -174,8 +177,8 @@ class BarrierOps:
             except Exception as exc:  # noqa: BLE001 - this arrival's error, not the others'
                 results[i] = exc
                 continue
-            if barrier.result is not None:  # a replay: its answer now (a decision below may drop the barrier)
-                results[i] = barrier.result
+            found[i] = barrier
+            if barrier.result is not None:  # a replay
                 continue
             once = _key(a)
             if barrier.arrived.get(a.member_id) != a.incarnation and once not in seen:
@@ -210,10 +213,9 @@ class BarrierOps:
         for key, (run, barrier) in touched.items():
             if barrier.result is None:  # an eviction decided by an earlier barrier re-decides the rest
                 self._decide_if_unblocked(run, barrier, fresh=key in created)
-        for i, a in enumerate(arrivals):
-            if results[i] is None:
-                barrier = self.runs[a.run_id].barriers.get(a.name)
-                results[i] = None if barrier is None else barrier.result
+        for i, barrier in enumerate(found):
+            if results[i] is None and barrier is not None:
+                results[i] = barrier.result
         return results
 
     def _decide_if_unblocked(self, run: Run, barrier: Barrier, *, fresh: bool) -> None:

@@ -164,7 +164,8 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
     when min_nodes have been waiting for the last-call window, held (a re-form only) up to the
     rejoin timeout while a live participant of the previous round has not rejoined: an agent
     slow to stop its workers would otherwise be left out, and come back as one more re-form. Time
-    out when min_nodes were not reached within the join timeout of the first waiter.
+    out when min_nodes were not reached within the join timeout of the first waiter. (Those left
+    waiting when a round completes wait for the next one from then: the core resets both times.)
     """
     cfg = rdzv.config
     waiting = [(m, inc) for m, inc in rdzv.waiting.items() if run.is_live(m, inc)]

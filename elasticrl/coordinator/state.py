@@ -116,7 +116,8 @@ class Rendezvous:
     participants: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     # Members waiting for the next round: member id -> incarnation, in arrival order.
     waiting: dict[str, int] = dataclasses.field(default_factory=dict)
-    # When the waiting set became non-empty and when it first reached min_nodes.
+    # When the waiting set became non-empty and when it first reached min_nodes, for the round it
+    # waits for: both start over when a round completes and members are left waiting.
     waiting_since: float | None = None
     min_reached_at: float | None = None
     # Members whose pending round timed out -> reason; each entry is consumed by that member's

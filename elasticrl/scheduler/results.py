@@ -121,13 +121,22 @@ class ResultBook:
                 d.writes.append((iteration, shard, [(g, it.tasks[g.task_id].spec.prompt_ids) for g in batch]))
             if batch_id:
                 self._deciding[batch_id] = d
-            # Only a batch decided here frees its tasks' slots: a re-sent one's results were freed
-            # by its first copy, and a copy of one of those tasks this stream holds now is a new
-            # one (handed out again after a restart), which only its own result may free.
-            for iteration, group in groups:
-                key = (iteration, group.task_id)
-                if self._free_slot(conn, key):
-                    d.released.append(key)
+        its = self.iterations.get(conn.run_id, {})
+        for iteration, group in groups:
+            key = (iteration, group.task_id)
+            if d.replay is not None or d.follows is not None:
+                # A re-sent batch frees a slot of its tasks only where the worker's copy is over (the
+                # task done or being stored, or the worker no longer one of its holders: a slot
+                # carried over from its stream before, which the first copy could not free). A copy
+                # handed to it again since (after a restart lost another worker's result) is
+                # running: only its own result frees that one.
+                it = its.get(iteration)
+                task = it.tasks.get(group.task_id) if it is not None else None
+                if (task is not None and task.status is TaskStatus.RUNNING and not task.storing
+                        and worker.member_id in task.holders):
+                    continue
+            if self._free_slot(conn, key):
+                d.released.append(key)
         self._dispatch(conn.run_id, freed_only=True)
         return d
 
@@ -222,6 +231,12 @@ class ResultBook:
                 self.metrics.accepted.inc(len(batch), run=conn.run_id)
                 self.metrics.trajectory_bytes.inc(sum(g.num_bytes for g in batch), run=conn.run_id)
             self._maybe_seal(it)
+        # A copy refused as a duplicate of a result that was then abandoned: it was the last one.
+        orphans = [(i, task_id) for i, task_id, reason in refused if reason == "duplicate"
+                   and (it := touched.get(i)) is not None and not it.sealed and (task := it.tasks.get(task_id)) is not None
+                   and task.status is TaskStatus.RUNNING and not task.holders and not task.storing]
+        if orphans:
+            self._requeue_orphans(conn.run_id, orphans, "the result it was refused for was not stored")
         if d.fenced and d.groups:
             log.info("run %s: refused %d result(s) from fenced worker %s (incarnation %d)",
                      conn.run_id, len(d.groups), worker.member_id, worker.incarnation)
@@ -240,25 +255,48 @@ class ResultBook:
         if self._deciding.get(d.batch_id) is d:
             del self._deciding[d.batch_id]
         its = self.iterations.get(d.conn.run_id, {})
+        orphans: list[tuple[int, str]] = []
         for iteration, shard, groups in d.writes:
             it = its.get(iteration)
             for g, _ in groups:
                 if it is not None and g.task_id in it.tasks:
                     it.tasks[g.task_id].storing = False
+                    if (iteration, g.task_id) not in d.released:
+                        orphans.append((iteration, g.task_id))  # its copies may have gone meanwhile
             self.store.discard(d.conn.run_id, iteration, shard)
         conn = d.conn
         if not conn.closed and self.conns.get(conn.run_id, {}).get(conn.worker.member_id) is conn:
             conn.worker.holding.update(d.released)
+            self._requeue_orphans(conn.run_id, orphans, why)
             return
-        for iteration, task_ids in itertools.groupby(sorted(d.released), key=lambda key: key[0]):
+        self._requeue_orphans(conn.run_id, d.released, why, member_id=conn.worker.member_id)
+        self._requeue_orphans(conn.run_id, orphans, why)
+
+    def _requeue_orphans(self, run_id: str, keys, why: str, *, member_id: str = "") -> None:
+        """Queue again each task of ``keys`` (iteration, task id) that is running with no copy
+        left (after dropping ``member_id``'s), and not being stored: nothing else would.
+
+        A copy refused as a duplicate of a result being stored frees its worker on arrival, and
+        its commit drops it from the task's holders; if the stored result is then abandoned, the
+        task may be left running with no holder. ``abandon`` and ``commit`` queue it here."""
+        its = self.iterations.get(run_id, {})
+        requeued = False
+        for iteration, group in itertools.groupby(sorted(keys), key=lambda key: key[0]):
             it = its.get(iteration)
             if it is None or it.sealed:
                 continue
             with self.db.tx():
-                for _, task_id in task_ids:
-                    self._requeue(it, it.tasks[task_id], conn.worker.member_id, why)
+                for _, task_id in group:
+                    task = it.tasks[task_id]
+                    if task.storing:
+                        continue
+                    if member_id:
+                        requeued |= bool(self._requeue(it, task, member_id, why))
+                    elif task.status is TaskStatus.RUNNING and not task.holders:
+                        requeued |= bool(self._requeue(it, task, "", why))
                 self.db.put_counters(it)
-        self._dispatch(conn.run_id)
+        if requeued or member_id:
+            self._dispatch(run_id)
 
     def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str) -> None:
         """Apply a committed result in memory (the node's stats come from ``_staged_counters``)."""

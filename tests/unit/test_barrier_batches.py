@@ -355,3 +355,13 @@ def test_a_unary_arrival_whose_barrier_is_decided_before_it_resumes_gets_the_res
 
     result = asyncio.run(asyncio.wait_for(scenario(), 5))
     assert result.outcome is Outcome.COMPLETED and result.arrived == ["a"] and result.evicted == ["b"]
+
+
+def test_an_arrival_is_answered_from_its_barrier_even_if_the_same_call_drops_it(clock, tmp_path):
+    core = CoordinatorCore(StateDB(tmp_path / "state.db"), lease_ttl_s=60.0, clock=clock, limits=Limits(keep_decided_barriers=1))
+    a, _ = core.join("r", "a")
+    core.arrive_many([Arrival("r", "a", a.incarnation, "old")])
+    # x decided, then y decided, which pushes x out (keep 1)
+    results = core.arrive_many([Arrival("r", "a", a.incarnation, n) for n in ("x", "y")])
+    assert [r.outcome for r in results] == [Outcome.COMPLETED] * 2  # x's was None: a caller waited for good
+    assert list(core.runs["r"].decided) == ["y"]

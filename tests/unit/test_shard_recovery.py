@@ -195,3 +195,19 @@ def test_a_batch_resent_after_a_restart_does_not_free_the_slot_of_a_task_handed_
     assert a2.worker.holding == {(1, "t00")} and not assigned(drain(a2))
     h2.sched.disconnect(a2, "gone")
     assert h2.it().tasks["t00"].status is TaskStatus.QUEUED  # and its stream closing requeues it
+
+
+def test_a_batch_resent_on_a_reopened_stream_frees_the_slot_its_first_copy_could_not(tmp_path):
+    """The worker reopens its stream (same incarnation: its slots move to the new stream) while the
+    old one's reader still decides a batch it had read; that first copy frees nothing (the old
+    stream holds nothing now), so the re-sent copy on the new stream frees the slot."""
+    h = Harness(state_dir=tmp_path)
+    s1 = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(4), IterationConfig())
+    assert assigned(drain(s1)) == ids(0, 1)
+    s2 = h.worker("a", slots=2)
+    assert s2.worker.holding == {(1, "t00"), (1, "t01")}
+    h.sched.accept(s1, [(1, group("t00"))], "b-1")
+    assert h.it().tasks["t00"].status is TaskStatus.DONE
+    ack, _ = h.sched.accept(s2, [(1, group("t00"))], "b-1")
+    assert ack.accepted == 1 and (1, "t00") not in s2.worker.holding
