@@ -338,12 +338,12 @@ class ResultPipeline:
                 deadline while this one waited for room (the stream ends; the worker re-sends).
         """
         while len(conn.pending) >= self.max_pending:  # bounded: the stream is not read meanwhile
-            oldest = conn.pending[0].done
+            oldest, waiting = conn.pending[0].done, len(conn.pending)
             try:
                 await asyncio.wait_for(asyncio.shield(oldest), self.store_timeout_s)
             except asyncio.TimeoutError:
                 raise CoordinatorUnavailableError(
-                    f"results: {len(conn.pending)} batches not stored within {self.store_timeout_s:g}s; send them again"
+                    f"results: {waiting} batches not stored within {self.store_timeout_s:g}s; send them again"
                 ) from None
         book = self.book
         d = book.decide(conn, groups, batch_id)

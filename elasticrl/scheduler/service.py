@@ -21,7 +21,7 @@ from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.replies import request_id
 from elasticrl.coordinator.service import abort_with, add_service, guarded, optional_member
 from elasticrl.coordinator.wire import MAX_MESSAGE_BYTES
-from elasticrl.errors import CoordinatorTimeoutError, InternalError, InvalidRequestError
+from elasticrl.errors import CoordinatorTimeoutError, ElasticRLError, InternalError, InvalidRequestError
 from elasticrl.scheduler import framing, outbox
 from elasticrl.scheduler.core import End, SchedulerCore, WorkerConn
 from elasticrl.scheduler.results import ResultPipeline
@@ -309,9 +309,13 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         except grpc.aio.AbortError as exc:
             conn.send(End(exc))
         except Exception as exc:  # noqa: BLE001 - ends the stream with its status
-            if not isinstance(exc, InvalidRequestError):
+            # The core's own errors keep their status: CoordinatorUnavailableError (batches not
+            # stored in time) is one the worker reconnects after; as INTERNAL it stopped for good.
+            if not isinstance(exc, ElasticRLError):
                 log.exception("work stream of %s failed", conn.worker.member_id)
                 exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            elif not isinstance(exc, InvalidRequestError):
+                log.warning("work stream of %s ends: %s", conn.worker.member_id, exc)
             conn.send(End(exc))
 
 

@@ -14,8 +14,9 @@ import pytest
 
 from elasticrl._proto import scheduler_pb2 as spb
 from elasticrl.errors import CoordinatorUnavailableError
-from elasticrl.scheduler import outbox
+from elasticrl.scheduler import framing, outbox
 from elasticrl.scheduler.results import ResultPipeline
+from elasticrl.scheduler.service import SchedulerServicer
 from elasticrl.scheduler.state import IterationConfig, TaskStatus
 from elasticrl.scheduler.stream import Ack, Assign, End
 
@@ -436,3 +437,23 @@ def test_with_fsync_every_shard_is_written_in_the_thread(tmp_path):
         assert [m.accepted for m in drain(w) if isinstance(m, Ack)] == [1]
 
     run(scenario)
+
+
+def test_a_stream_whose_batches_were_not_stored_in_time_ends_unavailable_not_internal(tmp_path, monkeypatch):
+    """The reader's wait for room ends in CoordinatorUnavailableError (the oldest batch not stored
+    within the deadline): the stream must end with that status, which the worker reconnects after;
+    it ended INTERNAL, which a worker takes as fatal."""
+    h, w, (t0, *_), _, _ = setup(tmp_path, monkeypatch)
+    servicer = SchedulerServicer(h.sched)
+
+    async def no_room(*args, **kwargs):
+        raise CoordinatorUnavailableError("results: 4 batches not stored within 60s; send them again")
+
+    monkeypatch.setattr(servicer.results, "submit", no_room)
+
+    async def requests():
+        yield framing.result_batch_request([(1, group(t0))], "b1")
+
+    asyncio.run(asyncio.wait_for(servicer._read(w, requests()), 5))
+    [end] = [m for m in drain(w) if isinstance(m, End)]
+    assert isinstance(end.error, CoordinatorUnavailableError), end.error
