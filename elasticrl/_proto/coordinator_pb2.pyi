@@ -419,20 +419,22 @@ class RoundJoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[MemberRef, _Mapping]] = ..., config: _Optional[_Union[RoundConfig, _Mapping]] = ..., after_round: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class RoundJoinResponse(_message.Message):
-    __slots__ = ("status", "round", "rank", "world_size", "participants", "reason")
+    __slots__ = ("status", "round", "rank", "world_size", "participants", "reason", "standby")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     status: RoundStatus
     round: int
     rank: int
     world_size: int
     participants: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, status: _Optional[_Union[RoundStatus, str]] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    standby: bool
+    def __init__(self, status: _Optional[_Union[RoundStatus, str]] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class CloseRunRequest(_message.Message):
     __slots__ = ("run_id", "reason")

@@ -333,7 +333,8 @@ class CoordinatorClient:
             ),
             timeout_s=wait_s + DEADLINE_SLACK_S,
         )
-        return RoundResult(_ROUND_STATUS.get(resp.status, "waiting"), resp.round, resp.rank, tuple(resp.participants), resp.reason)
+        return RoundResult(_ROUND_STATUS.get(resp.status, "waiting"), resp.round, resp.rank, tuple(resp.participants), resp.reason,
+                           resp.standby)
 
     def close_run(self, run_id: str, reason: str = "") -> None:
         self._call("CloseRun", pb.CloseRunRequest(run_id=run_id, reason=reason))

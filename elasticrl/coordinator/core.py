@@ -474,6 +474,9 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
                 return done
             left = deadline - loop.time()
             if left <= 0:
+                if policy.standby(rdzv, run):
+                    return RoundResult("waiting", rdzv.round, reason=f"standby: round {rdzv.round} is full and running",
+                                       standby=True)
                 return RoundResult("waiting", rdzv.round, reason=f"{len(rdzv.waiting)} node(s) waiting")
             await self._round_signals.wait(run_id, left)
 
@@ -510,6 +513,9 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
             _track_waiting(pending, now)  # the policy needs min_reached_at of the new waiting set
         decision = policy.decide_round(run.rendezvous if pending is None else pending, run, now)
         if decision.action == "wait":
+            if decision.standby:  # (in-memory times: nothing to persist)
+                waiting = run.rendezvous if pending is None else pending
+                waiting.waiting_since = waiting.min_reached_at = now
             if pending is not None:
                 self._commit_rendezvous(run, pending)
             return

@@ -154,6 +154,20 @@ class RoundDecision:
     action: str
     participants: tuple[tuple[str, int], ...]
     reason: str
+    standby: bool = False
+    """A wait of standbys (the previous round full and all of it live): their last call and hold
+    start when it has room, not while they wait behind it."""
+
+
+def standby(rdzv: Rendezvous, run: Run, waiting: set[str] | None = None, prev_live: list[str] | None = None) -> bool:
+    """Whether the nodes waiting are standbys: the previous round is full (max_nodes) and every
+    node of it live (running), and none of it waits again."""
+    cfg = rdzv.config
+    if cfg is None or rdzv.round == 0 or len(rdzv.participants) < cfg.max_nodes:
+        return False
+    if prev_live is None:
+        prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
+    return len(prev_live) == len(rdzv.participants) and set(rdzv.waiting if waiting is None else waiting).isdisjoint(prev_live)
 
 
 def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
@@ -163,7 +177,9 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
     of the previous round is among them (a re-form after a failure needs no last-call wait); or
     when min_nodes have been waiting for the last-call window, held (a re-form only) up to the
     rejoin timeout while a live participant of the previous round has not rejoined: an agent
-    slow to stop its workers would otherwise be left out, and come back as one more re-form. Time
+    slow to stop its workers would otherwise be left out, and come back as one more re-form.
+    Nodes waiting while the previous round is full and all of it live are standbys: they wait
+    until a node of that round is lost or rejoins (torch's c10d keeps such nodes idle too). Time
     out when min_nodes were not reached within the join timeout of the first waiter. (Those left
     waiting when a round completes wait for the next one from then: the core resets both times.)
     """
@@ -175,6 +191,10 @@ def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
     if n >= cfg.min_nodes:
         ids = {m for m, _ in waiting}
         prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
+        if standby(rdzv, run, ids, prev_live):
+            # Its agents re-form only when a node of it is lost or fails, and the standbys join
+            # that round; a round of standbys alone would take the job from the nodes running it.
+            return RoundDecision("wait", (), f"{n} standby node(s): round {rdzv.round} is full and running", standby=True)
         started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
         last_call_over = now >= started + cfg.last_call_s
         held = [m for m in prev_live if m not in ids]

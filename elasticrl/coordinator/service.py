@@ -352,6 +352,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             world_size=len(result.participants),
             participants=result.participants,
             reason=result.reason,
+            standby=result.standby,
         )
 
     @guarded

@@ -100,6 +100,8 @@ class RoundResult:
     rank: int = -1
     participants: tuple[str, ...] = ()
     reason: str = ""
+    standby: bool = False
+    """"waiting" only: the round is full and all of it live; this node waits for a slot."""
 
     @property
     def world_size(self) -> int:

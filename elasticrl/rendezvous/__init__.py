@@ -24,7 +24,8 @@ key                 default     meaning
 ==================  ==========  ============================================================
 last_call_timeout   2           after min nodes joined a round, wait this long for more
 join_timeout        600         a round that has not reached min nodes by then fails
-                                (RendezvousTimeoutError); also bounds one next_rendezvous()
+                                (RendezvousTimeoutError); also bounds one next_rendezvous(),
+                                except for a standby (the round full and all of it running)
 rejoin_timeout      30          after a failure, hold the new round (past the last call) this
                                 long for agents of the previous round that are alive but
                                 still stopping their workers; 0: do not hold

@@ -248,11 +248,13 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
             RendezvousClosedError: the run was closed.
             RendezvousConnectionError: the coordinator is unreachable (after ``connect_timeout``)
                 or refused the token.
-            RendezvousTimeoutError: min nodes did not gather within ``join_timeout``.
+            RendezvousTimeoutError: min nodes did not gather within ``join_timeout`` (a standby,
+                waiting while the round is full and all of it runs, waits without it).
             RendezvousError: the coordinator rejected the request (e.g. a different ``--nnodes``).
         """
         cfg = self.config
         give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
+        standby = False
         with rendezvous_errors(cfg.endpoint, cfg.run_id):
             while True:
                 if self._closed_here:
@@ -286,6 +288,11 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                         f"coordinator {cfg.endpoint})"
                     )
                 if res.status != "complete":
+                    if res.standby:  # no join timeout while the full round runs (as c10d's redundant nodes)
+                        if not standby:
+                            log.info("run %s: %s is a standby: %s; it waits for a slot", cfg.run_id, m.member_id, res.reason)
+                        give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
+                    standby = res.standby
                     continue
                 store = CoordinatorStore(
                     self._client, cfg.run_id, f"torchrun/round-{res.round}/", timeout_s=cfg.read_timeout_s

@@ -22,7 +22,8 @@ join and rejoin timeouts (only the first waiter's are used). Checked after every
   waiting;
 - a call that still waits is in the waiting set (else nothing but its wait_s could answer it), and
   after quiet clock time past the lease and the round timeouts (keep-alives on, ticks) no call
-  waits and nobody is waiting: every call got an answer;
+  waits and nobody is waiting but standbys (the round is full and all of it live): every other
+  call got an answer;
 - ``test_a_restart_keeps_the_rendezvous``: a new core opened on the same state file at random
   steps, half of them right after a tick (calls in flight fail, answered or not, as a killed
   process's would; agents call again with the same ``after_round``) holds the same
@@ -361,11 +362,21 @@ class World:
         for _ in range(12):
             self.advance(span / 10, keep)
             await self.settle()
+        standbys: set[str] = set()
         for i, core in enumerate(self.cores):
             run = core.runs.get(RUN)
-            if run is not None:
-                assert not run.rendezvous.waiting, self.checkers[i].fail(f"still waiting after quiet time: {run.rendezvous}")
-        pending = [a.name for a in self.agents.values() if a.call is not None]
+            if run is None:
+                continue
+            r = run.rendezvous
+            # Standbys wait as long as the round they cannot enter is full and all of it live
+            # (policy.decide_round; torch's c10d keeps such nodes waiting too): no one else may.
+            full = r.config is not None and len(r.participants) >= r.config.max_nodes
+            running = full and all(run.is_live(m, inc) for m, inc in r.participants)
+            if running and not set(r.waiting) & {m for m, _ in r.participants}:
+                standbys = set(r.waiting)
+            else:
+                assert not r.waiting, self.checkers[i].fail(f"still waiting after quiet time: {r}")
+        pending = [a.name for a in self.agents.values() if a.call is not None and a.name not in standbys]
         assert not pending, f"{self.where()}: calls of {pending} still wait after quiet time"
 
     def pick(self, *, member: bool | None, idle: bool = False) -> Agent | None:
@@ -472,17 +483,25 @@ def test_a_durable_core_answers_as_a_memory_only_one(seed, tmp_path):
     assert len(world.checkers[0].rounds) >= 3, world.checkers[0].rounds
 
 
-def test_the_round_after_a_round_waits_its_own_last_call_so_both_reach_their_participants():
-    """The smallest case of the lost round (--nnodes=1:1): a holds round 1; b and c wait, held for
-    a (rejoin timeout). One tick evicts x, whose departure decides round 2 [b]; the tick then
-    decided round 3 [c] at once: the leftover waiter's last call and hold counted from before round
-    2. b's call, woken for round 2, ran after round 3: it was in neither round nor waiting, so only
-    its wait_s ended it, and round 2 happened for nobody. Now c waits for round 3's own hold."""
+def test_a_round_decided_in_a_tick_reaches_its_participants_before_the_next():
+    """The smallest case of the lost round (--nnodes=1:1): a holds round 1; b and c wait. One tick
+    evicts a, whose departure decided round 2 [b]; the tick then decided round 3 [c] at once (the
+    leftover waiter's last call and hold counted from before round 2). b's call, woken for round
+    2, ran after round 3: it was in neither round nor waiting, so only its wait_s ended it, and
+    round 2 happened for nobody. Now c waits: a standby while round 2 is full and b live (a round
+    of c alone would take the job from b), until b leaves."""
     clock = Clock()
     core = CoordinatorCore(StateDB(None), lease_ttl_s=1000.0, clock=clock)
     cfg = RoundConfig(1, 1, last_call_s=0.5, join_timeout_s=60.0, rejoin_timeout_s=1.0)
-    a, b, c = (core.join(RUN, m)[0] for m in "abc")
-    core.join(RUN, "x", lease_ttl_s=2.0)  # its keep-alives stop
+    a = core.join(RUN, "a", lease_ttl_s=2.0)[0]  # its keep-alives stop
+    b, c = (core.join(RUN, m)[0] for m in "bc")
+
+    def tick(seconds: float) -> None:
+        clock.now += seconds
+        for m in (b, c):
+            if core.runs[RUN].is_live(m.member_id, m.incarnation):
+                core.keep_alive(RUN, m.member_id, m.incarnation)
+        core.tick()
 
     async def scenario():
         first = await core.round_join(RUN, "a", a.incarnation, cfg, after_round=0, wait_s=0)
@@ -491,19 +510,55 @@ def test_the_round_after_a_round_waits_its_own_last_call_so_both_reach_their_par
                  for m in (b, c)]
         await asyncio.sleep(0)
         assert core.runs[RUN].rendezvous.waiting == {"b": b.incarnation, "c": c.incarnation}
-        clock.now += 2.0
-        for m in (a, b, c):
-            core.keep_alive(RUN, m.member_id, m.incarnation)
-        core.tick()
+        tick(3.0)  # a's lease ends: round 2 [b] at once (round 1 lost its node)
         for _ in range(3):
             await asyncio.sleep(0)
-        got_b, c_waits = calls[0].done() and calls[0].result(), not calls[1].done()
-        clock.now += 1.5  # past round 3's hold for b
-        for m in (a, b, c):
-            core.keep_alive(RUN, m.member_id, m.incarnation)
-        core.tick()
-        return got_b, c_waits, await asyncio.wait_for(calls[1], 2)
+        got_b = calls[0].done() and calls[0].result()
+        tick(1.5)  # past any last call or hold: c is a standby of the running round 2
+        for _ in range(3):
+            await asyncio.sleep(0)
+        c_waited = not calls[1].done()
+        core.leave(RUN, "b", b.incarnation, "done")  # round 2's node leaves: c's turn
+        tick(1.0)
+        return got_b, c_waited, await asyncio.wait_for(calls[1], 2)
 
     got_b, c_waited, got_c = asyncio.run(asyncio.wait_for(scenario(), 5))
     assert got_b and (got_b.status, got_b.round, got_b.participants) == ("complete", 2, ("b",)), got_b
     assert c_waited and (got_c.status, got_c.round, got_c.participants) == ("complete", 3, ("c",)), got_c
+
+
+def test_standby_nodes_wait_while_the_full_round_runs_and_fill_the_slot_of_a_node_it_loses():
+    """--nnodes=2:2 with four agents: c and d wait as standbys while a and b run round 1 (they
+    formed round 2 alone after the rejoin timeout, and the two pairs took the job from each other
+    every 30 s); when b is lost, a re-forms with one of them."""
+    clock = Clock()
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=1000.0, clock=clock)
+    cfg = RoundConfig(2, 2, last_call_s=2.0, join_timeout_s=600.0, rejoin_timeout_s=30.0)
+    ms = {m: core.join(RUN, m)[0] for m in "abcd"}
+
+    async def scenario():
+        calls = {m: asyncio.ensure_future(core.round_join(RUN, m, ms[m].incarnation, cfg, after_round=0, wait_s=600))
+                 for m in "abcd"}
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls["a"].result().participants == ("a", "b")
+        for _ in range(40):  # 80 s: past the last call and the rejoin timeout
+            clock.now += 2.0
+            for m in "abcd":
+                core.keep_alive(RUN, m, ms[m].incarnation)
+            core.tick()
+            await asyncio.sleep(0)
+        assert core.runs[RUN].rendezvous.round == 1 and not calls["c"].done() and not calls["d"].done()
+        poll = await core.round_join(RUN, "c", ms["c"].incarnation, cfg, after_round=0, wait_s=0.01)
+        assert (poll.status, poll.standby) == ("waiting", True), poll  # the handler waits without its join timeout
+        core.leave(RUN, "b", ms["b"].incarnation, "node lost")
+        again = asyncio.ensure_future(core.round_join(RUN, "a", ms["a"].incarnation, cfg, after_round=1, wait_s=600))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        result = await asyncio.wait_for(again, 2)
+        for call in calls.values():
+            call.cancel()
+        return result
+
+    result = asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert result.status == "complete" and result.round == 2 and result.participants[0] == "a" and len(result.participants) == 2
