@@ -173,28 +173,29 @@ def standby(rdzv: Rendezvous, run: Run, waiting: set[str] | None = None, prev_li
 def decide_round(rdzv: Rendezvous, run: Run, now: float) -> RoundDecision:
     """Decide whether the pending rendezvous round completes now.
 
-    Complete when max_nodes are waiting; or when min_nodes are waiting and every live participant
-    of the previous round is among them (a re-form after a failure needs no last-call wait); or
-    when min_nodes have been waiting for the last-call window, held (a re-form only) up to the
-    rejoin timeout while a live participant of the previous round has not rejoined: an agent
-    slow to stop its workers would otherwise be left out, and come back as one more re-form.
-    Nodes waiting while the previous round is full and all of it live are standbys: they wait
-    until a node of that round is lost or rejoins (torch's c10d keeps such nodes idle too). Time
-    out when min_nodes were not reached within the join timeout of the first waiter. (Those left
-    waiting when a round completes wait for the next one from then: the core resets both times.)
+    Nodes waiting while the previous round is full and all of it live are standbys: they wait,
+    however many and for however long, until a node of that round is lost or waits again (torch's
+    c10d keeps such nodes idle too). Otherwise: complete when max_nodes are waiting; or when
+    min_nodes are waiting and every live participant of the previous round is among them (a
+    re-form after a failure needs no last-call wait); or when min_nodes have been waiting for the
+    last-call window, held (a re-form only) up to the rejoin timeout while a live participant of
+    the previous round has not rejoined: an agent slow to stop its workers would otherwise be left
+    out, and come back as one more re-form. Time out when min_nodes were not reached within the
+    join timeout of the first waiter. (The times count from when the waiters stopped being
+    standbys, or from the last round's completion for those it left waiting: the core resets them.)
     """
     cfg = rdzv.config
     waiting = [(m, inc) for m, inc in rdzv.waiting.items() if run.is_live(m, inc)]
     if cfg is None or not waiting:
         return RoundDecision("wait", (), "nobody is waiting")
     n = len(waiting)
+    ids = {m for m, _ in waiting}
+    prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
+    if standby(rdzv, run, ids, prev_live):
+        # Its agents re-form only when a node of it is lost or fails, and the standbys join that
+        # round; a round of standbys alone would take the job from the nodes running it.
+        return RoundDecision("wait", (), f"{n} standby node(s): round {rdzv.round} is full and running", standby=True)
     if n >= cfg.min_nodes:
-        ids = {m for m, _ in waiting}
-        prev_live = [m for m, inc in rdzv.participants if run.is_live(m, inc)]
-        if standby(rdzv, run, ids, prev_live):
-            # Its agents re-form only when a node of it is lost or fails, and the standbys join
-            # that round; a round of standbys alone would take the job from the nodes running it.
-            return RoundDecision("wait", (), f"{n} standby node(s): round {rdzv.round} is full and running", standby=True)
         started = rdzv.min_reached_at if rdzv.min_reached_at is not None else now
         last_call_over = now >= started + cfg.last_call_s
         held = [m for m in prev_live if m not in ids]

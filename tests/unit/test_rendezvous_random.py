@@ -562,3 +562,37 @@ def test_standby_nodes_wait_while_the_full_round_runs_and_fill_the_slot_of_a_nod
 
     result = asyncio.run(asyncio.wait_for(scenario(), 5))
     assert result.status == "complete" and result.round == 2 and result.participants[0] == "a" and len(result.participants) == 2
+
+
+def test_a_single_standby_below_min_nodes_waits_past_the_join_timeout():
+    """--nnodes=2:2 with three agents: the spare is one node, fewer than min_nodes; it waited as a
+    standby only to time out after join_timeout (its answers said standby, its handler waited on)."""
+    clock = Clock()
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=1000.0, clock=clock)
+    cfg = RoundConfig(2, 2, last_call_s=2.0, join_timeout_s=60.0, rejoin_timeout_s=5.0)
+    ms = {m: core.join(RUN, m)[0] for m in "abc"}
+
+    async def scenario():
+        calls = {m: asyncio.ensure_future(core.round_join(RUN, m, ms[m].incarnation, cfg, after_round=0, wait_s=600))
+                 for m in "ab"}
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls["a"].result().participants == ("a", "b")
+        spare = asyncio.ensure_future(core.round_join(RUN, "c", ms["c"].incarnation, cfg, after_round=0, wait_s=600))
+        for _ in range(60):  # 120 s: twice the join timeout
+            clock.now += 2.0
+            for m in "abc":
+                core.keep_alive(RUN, m, ms[m].incarnation)
+            core.tick()
+            await asyncio.sleep(0)
+        assert not spare.done() and "c" in core.runs[RUN].rendezvous.waiting
+        poll = await core.round_join(RUN, "c", ms["c"].incarnation, cfg, after_round=0, wait_s=0.01)
+        core.leave(RUN, "b", ms["b"].incarnation, "node lost")
+        again = asyncio.ensure_future(core.round_join(RUN, "a", ms["a"].incarnation, cfg, after_round=1, wait_s=600))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return poll, await asyncio.wait_for(again, 2), await asyncio.wait_for(spare, 2)
+
+    poll, a2, c2 = asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert (poll.status, poll.standby) == ("waiting", True), poll
+    assert a2.participants == c2.participants == ("a", "c") and a2.round == 2
