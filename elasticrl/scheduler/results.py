@@ -288,9 +288,9 @@ class ResultBook:
             with self.db.tx():
                 for _, task_id in group:
                     task = it.tasks[task_id]
-                    if task.storing:
-                        continue
-                    if member_id:
+                    if task.storing:  # another copy's result decides: done, or this check again
+                        task.holders.pop(member_id, None)
+                    elif member_id:
                         requeued |= bool(self._requeue(it, task, member_id, why))
                     elif task.status is TaskStatus.RUNNING and not task.holders:
                         requeued |= bool(self._requeue(it, task, "", why))
