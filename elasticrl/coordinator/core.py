@@ -280,6 +280,13 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
             run_id, member_id, incarnation, host or "?", weight, epoch, run.live_count,
         )
         self._emit(run, Event("joined", member, epoch, ""))
+        if member_id in run.rendezvous.timed_out:
+            # The report was its previous incarnation's (a round it waited in timed out with no
+            # call to tell): a new agent process keeping the node id (``--rdzv-conf node_id``)
+            # must not fail at its first round for it.
+            pending = copy_rendezvous(run.rendezvous)
+            del pending.timed_out[member_id]
+            self._commit_rendezvous(run, pending)
         self._after_membership_change(run)
         return member, epoch
 

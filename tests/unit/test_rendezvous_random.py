@@ -596,3 +596,25 @@ def test_a_single_standby_below_min_nodes_waits_past_the_join_timeout():
     poll, a2, c2 = asyncio.run(asyncio.wait_for(scenario(), 5))
     assert (poll.status, poll.standby) == ("waiting", True), poll
     assert a2.participants == c2.participants == ("a", "c") and a2.round == 2
+
+
+def test_a_new_incarnation_does_not_get_its_predecessors_round_timeout():
+    """A round times out while a's agent waits with no call in flight (the report is kept for its
+    next call); a new agent process keeping the node id joins as a new incarnation: it waited for
+    nothing, and used to get that report at its first round (RendezvousTimeoutError at start)."""
+    clock = Clock()
+    core = CoordinatorCore(StateDB(None), lease_ttl_s=1000.0, clock=clock)
+    cfg = RoundConfig(2, 2, last_call_s=0.5, join_timeout_s=4.0)
+    a1 = core.join(RUN, "a")[0]
+
+    async def scenario():
+        first = await core.round_join(RUN, "a", a1.incarnation, cfg, after_round=0, wait_s=0.01)
+        assert first.status == "waiting"
+        clock.now += 5.0
+        core.tick()  # the round times out: a's report is kept
+        assert "a" in core.runs[RUN].rendezvous.timed_out
+        a2 = core.join(RUN, "a")[0]
+        return await core.round_join(RUN, "a", a2.incarnation, cfg, after_round=0, wait_s=0.01)
+
+    again = asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert again.status == "waiting", again
