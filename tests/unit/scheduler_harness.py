@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 from elasticrl.coordinator.core import CoordinatorCore
@@ -101,3 +102,61 @@ def assigned(messages: list) -> list[str]:
 
 def cancelled(messages: list) -> list[str]:
     return [tid for m in messages if isinstance(m, Cancel) for tid in m.task_ids]
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One result as a worker sends it in the random tests: its group is ``group(task_id, tokens, seed=seed)``."""
+
+    iteration: int
+    task_id: str
+    seed: int
+    tokens: int
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.iteration, self.task_id)
+
+    def group(self) -> GroupRecord:
+        return group(self.task_id, self.tokens, seed=self.seed)
+
+
+def expect_decision(its: dict, items: list[Item], *, fenced: bool, accepted, storing) -> tuple[list[Item], list]:
+    """The documented rules for result ``items`` arriving now (``its``: iteration -> Iteration;
+    ``accepted``/``storing``: task keys stored, or being stored): (to store, refused)."""
+    fresh, refused, seen = [], [], set()
+    for item in items:
+        it = its.get(item.iteration)
+        if it is None or item.task_id not in it.tasks:
+            refused.append((*item.key, "unknown"))
+        elif fenced:
+            refused.append((*item.key, "fenced"))
+        elif item.key in accepted or item.key in storing or item.key in seen:
+            refused.append((*item.key, "duplicate"))
+        elif it.sealed:
+            refused.append((*item.key, "sealed"))
+        else:
+            seen.add(item.key)
+            fresh.append(item)
+    return fresh, refused
+
+
+def expect_commit(its: dict, items: list[Item], *, accepted) -> tuple[list[Item], list]:
+    """What changed between a batch's decision and its commit: of the ``items`` it decided to store,
+    (still stored, refused at the commit), grouped by iteration as the commit takes them."""
+    by_iteration: dict[int, list[Item]] = {}
+    for item in items:
+        by_iteration.setdefault(item.iteration, []).append(item)
+    stored, late = [], []
+    for n, group_items in by_iteration.items():
+        it = its.get(n)
+        for item in group_items:
+            if it is None:
+                late.append((*item.key, "unknown"))
+            elif item.key in accepted:
+                late.append((*item.key, "duplicate"))
+            elif it.sealed:
+                late.append((*item.key, "sealed"))
+            else:
+                stored.append(item)
+    return stored, late

@@ -66,7 +66,7 @@ from elasticrl.scheduler import results
 from elasticrl.scheduler.results import ResultPipeline
 from elasticrl.scheduler.state import IterationConfig, TaskStatus
 from elasticrl.scheduler.stream import Ack, Decided, End, WorkerConn
-from tests.unit.scheduler_harness import RUN, Harness, drain, group, spec
+from tests.unit.scheduler_harness import RUN, Harness, Item, drain, expect_commit, expect_decision, group, spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,23 +100,6 @@ VARIANTS = {
     # No backups: held writes are let go at once, but the one meant to pass its deadline.
     "deadline": Variant(write_threads=2, store_timeout_s=0.25, backups=False, expire=True, late=False, steps=90),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One result as a worker sends it: its group is ``group(task_id, tokens, seed=seed)``."""
-
-    iteration: int
-    task_id: str
-    seed: int
-    tokens: int
-
-    @property
-    def key(self) -> tuple[int, str]:
-        return (self.iteration, self.task_id)
-
-    def group(self):
-        return group(self.task_id, self.tokens, seed=self.seed)
 
 
 class Stranded(AssertionError):
@@ -294,24 +277,10 @@ class Sim:
 
     def expect(self, conn: WorkerConn, items: list[Item]) -> tuple[list[Item], list]:
         """What the documented rules decide for ``items`` arriving now: (stored, refused)."""
-        its, w = self.its(), conn.worker
+        w = conn.worker
         run = self.h.coord.runs.get(RUN)
         fenced = w.fenced or run is None or not run.is_live(w.member_id, w.incarnation)
-        fresh, refused, seen = [], [], set()
-        for item in items:
-            it = its.get(item.iteration)
-            if it is None or item.task_id not in it.tasks:
-                refused.append((*item.key, "unknown"))
-            elif fenced:
-                refused.append((*item.key, "fenced"))
-            elif item.key in self.accepted or item.key in self.storing or item.key in seen:
-                refused.append((*item.key, "duplicate"))
-            elif it.sealed:
-                refused.append((*item.key, "sealed"))
-            else:
-                seen.add(item.key)
-                fresh.append(item)
-        return fresh, refused
+        return expect_decision(self.its(), items, fenced=fenced, accepted=self.accepted, storing=self.storing)
 
     def decide(self, conn, groups, batch_id=""):
         b = self.arriving.pop(conn, None)
@@ -435,20 +404,7 @@ class Sim:
         its = self.its()
         stored, late, books, want = [], [], None, None
         if b.kind == "fresh":
-            by_iteration: dict[int, list[Item]] = {}
-            for item in b.fresh:
-                by_iteration.setdefault(item.iteration, []).append(item)
-            for n, items in by_iteration.items():
-                it = its.get(n)
-                for item in items:
-                    if it is None:
-                        late.append((*item.key, "unknown"))
-                    elif item.key in self.accepted:
-                        late.append((*item.key, "duplicate"))
-                    elif it.sealed:
-                        late.append((*item.key, "sealed"))
-                    else:
-                        stored.append(item)
+            stored, late = expect_commit(its, b.fresh, accepted=self.accepted)
         else:
             books = self.durable_books()
             want = self.first_ack.get(b.batch_id)

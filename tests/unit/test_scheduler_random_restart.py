@@ -47,7 +47,7 @@ from elasticrl.scheduler.state import (
     Split,
     TaskStatus,
 )
-from tests.unit.scheduler_harness import RUN, Clock, Harness, drain, group, spec
+from tests.unit.scheduler_harness import RUN, Clock, Harness, Item, drain, expect_commit, expect_decision, spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,23 +61,6 @@ TIME_FIELDS = ("elapsed_s", "sealed_ago_s")
 # Per node: times, the connected stream's slots and the copies running now (a restart requeues them).
 NODE_VOLATILE = ("node", "tasks_per_s", "slots", "running")
 NODE_DEFAULT = {"assigned": 0, "done": 0, "refused": 0, "tokens": 0, "evicted": False}
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One result as a worker sends it: its group is ``group(task_id, tokens, seed=seed)``."""
-
-    iteration: int
-    task_id: str
-    seed: int
-    tokens: int
-
-    @property
-    def key(self) -> tuple[int, str]:
-        return (self.iteration, self.task_id)
-
-    def group(self):
-        return group(self.task_id, self.tokens, seed=self.seed)
 
 
 @dataclasses.dataclass
@@ -372,25 +355,9 @@ class Sim:
 
     def expect(self, conn: WorkerConn, items: list[Item]) -> tuple[list[Item], list[tuple[int, str, str]]]:
         """What the documented rules decide for ``items`` arriving now: (stored, refused)."""
-        its = self.its()
         w = conn.worker
         fenced = w.fenced or not self.h.coord.runs[RUN].is_live(w.member_id, w.incarnation)
-        storing = self.storing()
-        fresh, refused, seen = [], [], set()
-        for item in items:
-            it = its.get(item.iteration)
-            if it is None or item.task_id not in it.tasks:
-                refused.append((*item.key, "unknown"))
-            elif fenced:
-                refused.append((*item.key, "fenced"))
-            elif item.key in self.accepted or item.key in storing or item.key in seen:
-                refused.append((*item.key, "duplicate"))
-            elif it.sealed:
-                refused.append((*item.key, "sealed"))
-            else:
-                seen.add(item.key)
-                fresh.append(item)
-        return fresh, refused
+        return expect_decision(self.its(), items, fenced=fenced, accepted=self.accepted, storing=self.storing())
 
     def record(self, batch_id: str, member_id: str, fresh: list[Item], refused: list, ack) -> None:
         """The first ack of a batch: what it stored and refused becomes the model's."""
@@ -499,22 +466,7 @@ class Sim:
         books = self.durable_books() if x.kind != "fresh" else None
         # Between the decision and the commit the iteration may have sealed or been dropped (as it
         # stands before the commit: the commit itself may seal it).
-        its = self.its()
-        stored, late = [], []
-        by_iteration: dict[int, list[Item]] = {}
-        for item in x.decided_fresh:
-            by_iteration.setdefault(item.iteration, []).append(item)
-        for n, items in by_iteration.items():
-            it = its.get(n)
-            for item in items:
-                if it is None:
-                    late.append((*item.key, "unknown"))
-                elif item.key in self.accepted:
-                    late.append((*item.key, "duplicate"))
-                elif it.sealed:
-                    late.append((*item.key, "sealed"))
-                else:
-                    stored.append(item)
+        stored, late = expect_commit(self.its(), x.decided_fresh, accepted=self.accepted)
         ack, end = self.h.sched.commit(x.d)
         assert ack is not None, self.ctx(f"no ack ({end!r})")
         if x.kind != "fresh":
