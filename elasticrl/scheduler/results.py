@@ -290,10 +290,8 @@ class ResultBook:
                     task = it.tasks[task_id]
                     if task.storing:  # another copy's result decides: done, or this check again
                         task.holders.pop(member_id, None)
-                    elif member_id:
+                    else:  # (queued only if running with no copy left)
                         requeued |= bool(self._requeue(it, task, member_id, why))
-                    elif task.status is TaskStatus.RUNNING and not task.holders:
-                        requeued |= bool(self._requeue(it, task, "", why))
                 self.db.put_counters(it)
         if requeued or member_id:
             self._dispatch(run_id)
