@@ -8,8 +8,8 @@ commands on stdin, replies on stdout, each reply naming its ``op``. Commands:
   coordinator (and start one keep-alive loop per member; with ``"transport": "session"`` each
   member also opens its Session stream, with ``"batched"`` all members of the process share one
   stream, whose operations go in batch messages; with ``"membership"`` each member is a
-  ``client.Membership``, as a trainer worker's), connect TCPStore clients, or prepare the flag
-  directory. Replied once every member is ready.
+  ``client.Membership``, as a trainer worker's), open a raw gRPC stream per member (``"rawgrpc"``),
+  connect TCPStore clients, or prepare the flag directory. Replied once every member is ready.
 * ``{"op": "round", "name": B, "hold": R}``: every member of this process arrives at barrier
   ``B`` at once, except rank ``R`` (if it lives here), which waits for ``go``. The round runs in
   the background (so ``go`` can be read meanwhile) and is replied once all are released, with
@@ -220,6 +220,51 @@ class MembershipMembers:
         self.members, self.relays = [], []
 
 
+class RawGrpcMembers:
+    """The raw-gRPC floor (``bench/barrier_rawgrpc.py``): each member holds one grpc.aio stream,
+    as with transport "session", sends ``b"<world> <name>"`` and reads its release; no join, no
+    lease, no protobuf. Channels as ``CoordinatorMembers``'s: one per member unless shared."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.channels: list = []
+        self.calls: list = []
+
+    async def setup(self) -> None:
+        from bench.barrier_rawgrpc import SESSION
+        from elasticrl.coordinator import wire
+
+        n = len(self.cfg["members"])
+        self.channels = [wire.open_channel(self.cfg["address"], None, aio=True) for _ in range(1 if self.cfg.get("shared_channel") else n)]
+        self.calls = [
+            self.channels[i % len(self.channels)].stream_stream(SESSION, request_serializer=None, response_deserializer=None)()
+            for i in range(n)
+        ]
+        # opened now, as a member's Session stream is opened when it joins
+        await asyncio.wait_for(asyncio.gather(*(call.wait_for_connection() for call in self.calls)), 120)
+
+    async def _arrive(self, call, name: str, gate: asyncio.Event | None) -> tuple[float, float]:
+        if gate is not None:
+            await gate.wait()
+        sent = time.monotonic()
+        await call.write(f"{self.cfg['world']} {name}".encode())
+        released = await call.read()
+        assert released == b"released " + name.encode(), f"barrier {name}: answered {released!r}"
+        return sent, time.monotonic()
+
+    async def round(self, name: str, gates: dict[int, asyncio.Event]) -> dict:
+        ranks = self.cfg["ranks"]
+        done = await asyncio.gather(*(self._arrive(c, name, gates.get(ranks[i])) for i, c in enumerate(self.calls)))
+        return {"times": [list(t) for t in done], "evicted": []}
+
+    async def teardown(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        for channel in self.channels:
+            await channel.close()
+        self.calls, self.channels = [], []
+
+
 class TCPStoreMembers:
     """The baseline on torch's TCPStore: ``torch.distributed.elastic.utils.store.barrier`` per member.
 
@@ -290,7 +335,7 @@ class FlagFileMembers:
         pass
 
 
-IMPLS = {"coordinator": CoordinatorMembers, "tcpstore": TCPStoreMembers, "flagfile": FlagFileMembers}
+IMPLS = {"coordinator": CoordinatorMembers, "rawgrpc": RawGrpcMembers, "tcpstore": TCPStoreMembers, "flagfile": FlagFileMembers}
 
 
 def _reply(msg: dict) -> None:

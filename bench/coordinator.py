@@ -1,6 +1,6 @@
-"""Barrier latency and failure-to-release of the elasticrl coordinator, against two baselines.
+"""Barrier latency and failure-to-release of the elasticrl coordinator, against three baselines.
 
-Everything is measured in one run on this host. The same barrier is built three ways:
+Everything is measured in one run on this host. The same barrier is built four ways:
 
 * ``coordinator``: the leased barrier of a real ``elasticrl coordinator`` subprocess (in-memory
   state, and durable SQLite/WAL state, the default deployment), members using
@@ -16,6 +16,10 @@ Everything is measured in one run on this host. The same barrier is built three 
   client processes here; on a cluster each is its node's agent);
 * ``tcpstore``: ``torch.distributed.elastic.utils.store.barrier`` (add + wait on a key) on a
   ``torch.distributed.TCPStore`` served by this process;
+* ``rawgrpc``: the floor of a stream per member over grpc.aio (``bench/barrier_rawgrpc.py``, a
+  process of its own): each member writes its arrival on its stream and reads its release, and
+  the server only counts (no lease, no protobuf, no state); the coordinator's rows get their p50
+  as a multiple of its (``x_rawgrpc``);
 * ``flagfile``: flag files in a directory polled every ``--poll-s`` (the shared-filesystem design).
 
 Members are spread over ``--workers`` client processes (rank i lives in process i mod W), as
@@ -30,7 +34,8 @@ arrival plus the fan-out of N releases).
 
 Failure-to-release: ``--failure-members`` members, one OS process each; all but one arrive, then
 the straggler (joined, renewing its lease) is SIGKILLed, and we time kill -> release of the
-survivors. The baselines have no liveness, so they never release; that is reported as such.
+survivors. The baselines have no liveness, so they never release; that is reported as such
+(the raw-gRPC floor is left out of it).
 
 Goals: a coordinator row's p50 below ``P50_GOALS_MS`` at 64 and 512 members, and, where the run
 also measured TCPStore at the same size and pattern, within ``TCPSTORE_GOAL_X`` (1.5x) of its p50
@@ -69,6 +74,8 @@ P50_GOALS_MS = {64: 5.0, 512: 50.0}
 # And barrier p50 within this multiple of torch's TCPStore (what torchrun uses), same size and
 # pattern, same run.
 TCPSTORE_GOAL_X = 1.5
+BASELINES = ("tcpstore", "rawgrpc", "flagfile")
+RAWGRPC = BENCH_DIR / "barrier_rawgrpc.py"
 FAILURE_SLACK_S = 0.5
 
 
@@ -92,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-cap-s", type=float, default=5.0, help="give up waiting for a release after a kill after this long, seconds (default: %(default)s)")
     p.add_argument("--barrier-timeout-s", type=float, default=60.0, help="barrier timeout passed to every implementation, seconds (default: %(default)s)")
     p.add_argument("--shared-channel", action="store_true", help="one gRPC channel per worker process instead of one per member")
-    p.add_argument("--skip-baselines", action="store_true", help="measure only the coordinator")
+    p.add_argument("--baselines", default="tcpstore,rawgrpc,flagfile", help="baselines to measure: tcpstore, rawgrpc (the floor of a grpc.aio stream per member), flagfile (default: %(default)s)")
+    p.add_argument("--skip-baselines", action="store_true", help="measure only the coordinator (same as --baselines '')")
     p.add_argument("--skip-failure", action="store_true", help="skip the failure-to-release scenario")
     p.add_argument("--profile", metavar="DIR", help="py-spy the coordinator during each latency measurement: "
                    "DIR/<case>.collapsed.txt (speedscope opens it), DIR/<case>.top.txt, and the top functions in the JSON (profile{})")
@@ -112,6 +120,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.patterns = [m.strip() for m in args.patterns.split(",") if m.strip()]
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    args.baselines = [] if args.skip_baselines else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if not set(args.baselines) <= set(BASELINES):
+        parser.error(f"--baselines: {args.baselines} may only name {', '.join(BASELINES)}")
     if not args.transports or not set(args.transports) <= {"unary", "session", "batched", "membership", "relay"}:
         parser.error(f"--transports: {args.transports} may only name unary, session, batched, membership and relay")
     if args.relay_members < 1:
@@ -170,6 +181,42 @@ class CoordinatorProc:
     def stop(self) -> None:
         from elasticrl.coordinator.launch import stop_coordinator
 
+        stop_coordinator(self.proc)
+
+
+class RawGrpcProc:
+    """``bench/barrier_rawgrpc.py serve`` on a free port; SIGTERM on stop, SIGKILL if it lingers."""
+
+    def __init__(self, tmp: pathlib.Path):
+        from elasticrl.coordinator.launch import CoordinatorStartError, stop_coordinator, wait_for_port
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.log_path = tmp / "rawgrpc.log"
+        with open(self.log_path, "ab") as f:
+            self.proc = subprocess.Popen([sys.executable, str(RAWGRPC), "serve", "--port-file", str(tmp / "port")],
+                                         stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        try:
+            port = wait_for_port(self.proc, tmp / "port", timeout_s=60, log_path=self.log_path)
+        except CoordinatorStartError as exc:
+            stop_coordinator(self.proc)
+            raise BenchError(f"raw gRPC barrier server: {exc}") from None
+        self.address = f"127.0.0.1:{port}"
+        self._channel = None
+
+    def arrived(self, name: str) -> int:
+        from bench.barrier_rawgrpc import COUNT
+        from elasticrl.coordinator import wire
+
+        if self._channel is None:
+            self._channel = wire.open_channel(self.address, None, aio=False)
+        count = self._channel.unary_unary(COUNT, request_serializer=None, response_deserializer=None)
+        return int(count(name.encode(), timeout=10))
+
+    def stop(self) -> None:
+        from elasticrl.coordinator.launch import stop_coordinator
+
+        if self._channel is not None:
+            self._channel.close()
         stop_coordinator(self.proc)
 
 
@@ -325,17 +372,23 @@ def p50_goal(members: int, p50_ms: float) -> dict | None:
     return {"metric": "p50_ms", "below": goal, "status": "PASS" if p50_ms < goal else "MISS"}
 
 
-def compare_tcpstore(rows: list[dict]) -> None:
+def compare_baselines(rows: list[dict]) -> None:
     """Give each coordinator row with a TCPStore row of the same size and pattern its p50 as a
-    multiple of TCPStore's (``x_tcpstore``) and that goal (``tcpstore_goal``)."""
-    base = {(r["members"], r["pattern"]): r["p50_ms"] for r in rows if r["impl"] == "tcpstore"}
+    multiple of TCPStore's (``x_tcpstore``) and that goal (``tcpstore_goal``), and with a raw-gRPC
+    row, as a multiple of that floor's (``x_rawgrpc``); the raw-gRPC row gets its ``x_tcpstore``."""
+    def base(impl: str) -> dict:
+        return {(r["members"], r["pattern"]): r["p50_ms"] for r in rows if r["impl"] == impl}
+
+    tcpstore, rawgrpc = base("tcpstore"), base("rawgrpc")
     for r in rows:
-        b = base.get((r["members"], r["pattern"]))
-        if r["impl"] == "coordinator" and b:
-            x = r["p50_ms"] / b
-            r["x_tcpstore"] = round(x, 2)
-            r["tcpstore_goal"] = {"metric": "p50_ms / tcpstore p50_ms", "at_most": TCPSTORE_GOAL_X,
-                                  "status": "PASS" if x <= TCPSTORE_GOAL_X else "MISS"}
+        key = (r["members"], r["pattern"])
+        if r["impl"] in ("coordinator", "rawgrpc") and tcpstore.get(key):
+            r["x_tcpstore"] = round(r["p50_ms"] / tcpstore[key], 2)
+            if r["impl"] == "coordinator":
+                r["tcpstore_goal"] = {"metric": "p50_ms / tcpstore p50_ms", "at_most": TCPSTORE_GOAL_X,
+                                      "status": "PASS" if r["x_tcpstore"] <= TCPSTORE_GOAL_X else "MISS"}
+        if r["impl"] == "coordinator" and rawgrpc.get(key):
+            r["x_rawgrpc"] = round(r["p50_ms"] / rawgrpc[key], 2)
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -440,7 +493,7 @@ def render_table(doc: dict) -> str:
         f"Host: {host['cpus']} CPUs, load average {load} at start/end (goals are the coordinator's; baselines are shown against them too).",
         f"Barrier latency = release - last arrival sent; p50/p99 over members x rounds. {doc['layout']['summary']}",
         "Times in ms; round = first arrival sent -> last release; srv/cli cpu = CPU ms per round of the barrier server / all client processes.",
-        f"{'impl':<12} {'transport':<9} {'state':<8} {'pattern':<7} {'members':>7} {'procs':>5} {'rounds':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'round p50':>10} {'srv cpu':>8} {'cli cpu':>8} {'goal':>12} {'':>4} {'x tcpstore':>10} {'<= ' + format(TCPSTORE_GOAL_X, 'g') + 'x':>6}",
+        f"{'impl':<12} {'transport':<9} {'state':<8} {'pattern':<7} {'members':>7} {'procs':>5} {'rounds':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'round p50':>10} {'srv cpu':>8} {'cli cpu':>8} {'goal':>12} {'':>4} {'x tcpstore':>10} {'<= ' + format(TCPSTORE_GOAL_X, 'g') + 'x':>6} {'x rawgrpc':>9}",
     ]
     for row in doc["latency"]:
         goal = row.get("goal")
@@ -450,7 +503,8 @@ def render_table(doc: dict) -> str:
             f"{row['impl']:<12} {row.get('transport', '-'):<9} {row['state']:<8} {row['pattern']:<7} {row['members']:>7} {row['processes']:>5} {row['rounds']:>6} "
             f"{row['p50_ms']:>9.2f} {row['p99_ms']:>9.2f} {row['max_ms']:>9.2f} {row['round_p50_ms']:>10.2f} "
             f"{srv:>8} {row['client_cpu_ms_per_round']:>8.1f} {goal_txt:>12} {goal['status'] if goal else '':>4} "
-            f"{row['x_tcpstore'] if 'x_tcpstore' in row else '-':>10} {row['tcpstore_goal']['status'] if 'tcpstore_goal' in row else '':>6}"
+            f"{row['x_tcpstore'] if 'x_tcpstore' in row else '-':>10} {row['tcpstore_goal']['status'] if 'tcpstore_goal' in row else '':>6} "
+            f"{row.get('x_rawgrpc', '-'):>9}"
         )
     if doc["failure"]:
         lines += ["", "Failure to release: SIGKILL of a member that joined but never arrived -> survivors released (one process per member)."]
@@ -538,6 +592,15 @@ class Bench:
                 self.pool, impl, n, pattern, a.rounds, a.warmup, arrived=self.store_arrived, server_cpu=time.process_time,
                 address=f"127.0.0.1:{self.store.port}", **common,
             )
+        elif impl == "rawgrpc":
+            server = RawGrpcProc(self.tmp / f"rawgrpc-{n}-{pattern}")
+            try:
+                row = measure_latency(
+                    self.pool, impl, n, pattern, a.rounds, a.warmup, arrived=server.arrived,
+                    server_cpu=lambda: process_cpu_s(server.proc.pid), address=server.address, shared_channel=a.shared_channel, **common,
+                )
+            finally:
+                server.stop()
         else:
             flag_dir = self.tmp / f"flags-{n}-{pattern}"
             flag_dir.mkdir()
@@ -626,8 +689,7 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
     }
     bench = Bench(args, tmp, cleanup)
     impls = [("coordinator", mode) for mode in args.modes]
-    if not args.skip_baselines:
-        impls += [("tcpstore", "memory"), ("flagfile", "files")]
+    impls += [(b, {"flagfile": "files"}.get(b, "memory")) for b in BASELINES if b in args.baselines]
     for impl, mode in impls:
         for pattern in args.patterns:
             for n in args.members:
@@ -636,11 +698,10 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
                     rounds = args.flag_rounds if impl == "flagfile" else args.rounds
                     log(f"latency: {impl} ({mode}, {transport}), {n} members, pattern {pattern}, {rounds} rounds")
                     doc["latency"].append(bench.latency(impl, mode, n, pattern, transport))
-    compare_tcpstore(doc["latency"])
+    compare_baselines(doc["latency"])
     if not args.skip_failure:
         scenarios = [("coordinator", mode, args.failure_trials, t) for mode in args.modes for t in args.transports]
-        if not args.skip_baselines:
-            scenarios += [("tcpstore", "memory", 1, "-"), ("flagfile", "files", 1, "-")]
+        scenarios += [(b, {"flagfile": "files"}.get(b, "memory"), 1, "-") for b in ("tcpstore", "flagfile") if b in args.baselines]
         for impl, mode, trials, transport in scenarios:
             log(f"failure: {impl} ({mode}, {transport}), {trials} trial(s) of {args.failure_members} members, ttl {args.ttl}s")
             doc["failure"].append(bench.failure(impl, mode, trials, transport))

@@ -55,10 +55,13 @@ def test_the_scheduler_scale_bench_measures_each_worker_count_at_a_toy_size(tmp_
 
 def test_the_coordinator_bench_measures_a_barrier_at_a_toy_size(tmp_path):
     doc = bench("coordinator.py", tmp_path, "--members", "8", "--rounds", "2", "--warmup", "1", "--transports", "session,batched",
-                "--modes", "memory", "--patterns", "burst", "--skip-baselines", "--skip-failure", "--workers", "2")
-    assert [row["transport"] for row in doc["latency"]] == ["session", "batched"]
+                "--modes", "memory", "--patterns", "burst,last", "--baselines", "rawgrpc", "--skip-failure", "--workers", "2")
+    assert [(row["impl"], row["transport"], row["pattern"]) for row in doc["latency"]] == [
+        ("coordinator", "session", "burst"), ("coordinator", "batched", "burst"), ("coordinator", "session", "last"),
+        ("coordinator", "batched", "last"), ("rawgrpc", "-", "burst"), ("rawgrpc", "-", "last")]
     for row in doc["latency"]:
-        assert row["members"] == 8 and row["p50_ms"] > 0, row
+        assert row["members"] == 8 and row["p50_ms"] > 0 and row["server_cpu_ms_per_round"] is not None, row
+        assert row["impl"] == "rawgrpc" or row["x_rawgrpc"] > 0, row
 
 
 def test_the_async_bench_overlaps_rollout_and_update_at_a_toy_size(tmp_path):
@@ -82,15 +85,15 @@ def test_the_weights_bench_moves_a_blob_on_every_path_at_a_toy_size(tmp_path):
     assert rows[("relay", 2)]["busiest_sender_mb"] == 4 and rows[("coordinator", 2)]["busiest_sender_mb"] == 8
 
 
-def test_the_coordinator_bench_compares_each_coordinator_row_with_tcpstore_of_the_same_size_and_pattern():
-    from bench.coordinator import compare_tcpstore
+def test_the_coordinator_bench_compares_each_coordinator_row_with_the_baselines_of_the_same_size_and_pattern():
+    from bench.coordinator import compare_baselines
 
     rows = [dict(impl="coordinator", members=64, pattern="burst", p50_ms=1.8), dict(impl="coordinator", members=64, pattern="last", p50_ms=1.0),
             dict(impl="coordinator", members=512, pattern="burst", p50_ms=20.0), dict(impl="tcpstore", members=64, pattern="burst", p50_ms=1.5),
-            dict(impl="tcpstore", members=512, pattern="burst", p50_ms=10.0)]
-    compare_tcpstore(rows)
-    assert [(r.get("x_tcpstore"), r.get("tcpstore_goal", {}).get("status")) for r in rows] == [
-        (1.2, "PASS"), (None, None), (2.0, "MISS"), (None, None), (None, None)]
+            dict(impl="tcpstore", members=512, pattern="burst", p50_ms=10.0), dict(impl="rawgrpc", members=64, pattern="burst", p50_ms=0.9)]
+    compare_baselines(rows)
+    assert [(r.get("x_tcpstore"), r.get("tcpstore_goal", {}).get("status"), r.get("x_rawgrpc")) for r in rows] == [
+        (1.2, "PASS", 2.0), (None, None, None), (2.0, "MISS", None), (None, None, None), (None, None, None), (0.6, None, None)]
 
 
 def test_a_bench_stopped_with_sigterm_stops_the_processes_it_started_and_removes_its_directory(tmp_path):
