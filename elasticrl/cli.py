@@ -251,6 +251,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             max_runs=args.max_runs,
         )
         malloc.tune()
+        malloc.tune_gc()
         asyncio.run(serve(config))
     except (ValueError, OSError, StateDirInUseError) as exc:
         print(f"elasticrl coordinator: {exc}", file=sys.stderr)

@@ -21,16 +21,29 @@ worker's CPU per GB fell from 0.95-1.05 to 0.67-0.81 s.
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment (glibc's own
 tunables) win, and ``ELASTICRL_MALLOC_TUNE=0`` keeps glibc's defaults: then nothing is changed.
 Elsewhere than glibc this does nothing.
+
+Python's cyclic garbage collector is tuned for the coordinator too (``tune_gc``). With its
+defaults (700, 10, 10) the youngest generation is collected every 700 container allocations and
+the whole heap (every task, member and barrier held) every ~70,000, on the event loop, where each
+pause holds every stream and barrier. A coordinator allocates a few objects per message (the
+protobuf, a future, a queue item), so at 512 members a barrier round triggered tens of young
+collections and, now and then, a full one. ``GC_THRESHOLDS`` (10,000, 20, 20) collects the young
+generation 14x less often and the whole heap ~30x less often; the garbage a coordinator makes is
+rare (its objects die by reference count), so memory does not grow with it.
+``ELASTICRL_GC_THRESHOLD=700,10,10`` gives Python's defaults back.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 
 log = logging.getLogger(__name__)
 
+GC_THRESHOLDS = (10_000, 20, 20)
+GC_ENV = "ELASTICRL_GC_THRESHOLD"
 MMAP_BYTES = 64 << 20
 TRIM_BYTES = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -64,3 +77,24 @@ def tune_sender(batch_bytes: int) -> bool:
     """For a process that streams result batches (see the module docstring). Returns whether set."""
     mmap_bytes, trim_bytes = sender_thresholds(batch_bytes)
     return tune(mmap_bytes=mmap_bytes, trim_bytes=trim_bytes)
+
+
+def gc_thresholds(env: str | None) -> tuple[int, int, int]:
+    """``GC_THRESHOLDS``, or the three counts ``env`` names ("700,10,10"). Raises ``ValueError``."""
+    if not env:
+        return GC_THRESHOLDS
+    try:
+        counts = tuple(int(x) for x in env.split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) != 3 or min(counts) < 0:
+        raise ValueError(f"{GC_ENV}={env!r}: expected three counts >= 0 as in gc.set_threshold, e.g. 700,10,10")
+    return counts  # type: ignore[return-value]
+
+
+def tune_gc() -> tuple[int, int, int]:
+    """Set the cyclic collector's thresholds for a coordinator (see the module docstring);
+    returns them. Raises ``ValueError`` for a malformed ``ELASTICRL_GC_THRESHOLD``."""
+    thresholds = gc_thresholds(os.environ.get(GC_ENV))
+    gc.set_threshold(*thresholds)
+    return thresholds

@@ -44,3 +44,21 @@ def test_an_engine_worker_process_tunes_its_allocator_as_a_sender():
     for env, expected in (({}, "True"), ({"ELASTICRL_MALLOC_TUNE": "0"}, "False")):
         out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True, timeout=30, check=True)
         assert out.stdout.strip() == expected
+
+
+def test_the_collector_thresholds_default_to_the_coordinators_and_the_environment_overrides_them():
+    from elasticrl.coordinator import malloc
+
+    assert malloc.gc_thresholds(None) == malloc.gc_thresholds("") == malloc.GC_THRESHOLDS
+    assert malloc.gc_thresholds("700,10,10") == (700, 10, 10)
+    for bad in ("700", "a,b,c", "1,2,3,4", "-1,10,10"):
+        with pytest.raises(ValueError, match="ELASTICRL_GC_THRESHOLD"):
+            malloc.gc_thresholds(bad)
+
+
+def test_a_coordinator_started_with_a_malformed_collector_setting_says_which_and_exits():
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "elasticrl", "coordinator", "--port", "0"],
+                         env={**os.environ, "ELASTICRL_GC_THRESHOLD": "lots"}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "ELASTICRL_GC_THRESHOLD='lots'" in out.stderr, out.stderr
