@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import pathlib
-import signal
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -67,28 +65,13 @@ class Barriers:
 
 
 async def serve(port_file: str) -> None:
-    from elasticrl.coordinator import malloc
-    from elasticrl.coordinator.server import MAX_MESSAGE_BYTES, server_options
+    from bench.scheduler_raw import serve_handler
 
-    malloc.tune()  # as the coordinator's process does
     barriers = Barriers()
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
+    await serve_handler(grpc.method_handlers_generic_handler(SERVICE, {
         "Session": grpc.stream_stream_rpc_method_handler(barriers.session),
         "Count": grpc.unary_unary_rpc_method_handler(barriers.count),
-    })
-    server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    tmp = f"{port_file}.tmp"
-    pathlib.Path(tmp).write_text(f"{port}\n")
-    os.replace(tmp, port_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1.0)
+    }), port_file)
 
 
 def main(argv: list[str] | None = None) -> int:

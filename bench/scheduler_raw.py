@@ -42,19 +42,23 @@ ACK = b"\x08\x04"  # about the size of a ResultAck with accepted=4
 
 
 async def serve(port_file: str) -> None:
-    from elasticrl.coordinator import malloc
-    from elasticrl.coordinator.server import MAX_MESSAGE_BYTES, server_options
-
-    malloc.tune()  # as the coordinator's process does
-
     async def stream(requests, context):
         async for request in requests:  # bytes: the identity deserializer
             del request
             yield ACK
 
-    handler = grpc.method_handlers_generic_handler(
+    await serve_handler(grpc.method_handlers_generic_handler(
         "elasticrl.bench.RawSink", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
-    )
+    ), port_file)
+
+
+async def serve_handler(handler, port_file: str) -> None:
+    """Serve ``handler`` on a free local port, as the coordinator's process would (its allocator
+    tuning and server options), write the port to ``port_file`` once serving, until SIGTERM/SIGINT."""
+    from elasticrl.coordinator import malloc
+    from elasticrl.coordinator.server import MAX_MESSAGE_BYTES, server_options
+
+    malloc.tune()  # as the coordinator's process does
     server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
