@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--metrics-host", metavar="HOST", help="interface of the metrics endpoint (default: the same as --host)")
     c.add_argument("--metrics-port-file", metavar="FILE", help="write the bound metrics port to this file once serving (useful with --metrics-port 0)")
     c.add_argument("--stream-grace", type=float, default=0.5, metavar="SECONDS", help="a member whose Session or Work stream broke (its process died) is evicted unless it reopens one within this long; a silent host is left to --lease-ttl (default: %(default)s)")
-    c.add_argument("--keep-iterations", type=int, default=8, metavar="N", help="sealed iterations kept per run; older ones leave memory and SQLite and their shards are deleted (up to 2 GiB of their files are kept to be overwritten by new shards), manifests stay (default: %(default)s)")
+    c.add_argument("--keep-iterations", type=int, default=8, metavar="N", help="sealed iterations kept per run (the ones that sealed last); older ones leave memory and SQLite and their shards are deleted (up to 2 GiB of their files are kept to be overwritten by new shards), manifests stay (default: %(default)s)")
     c.add_argument("--keep-barriers", type=int, default=1000, metavar="N", help="decided barriers kept per run; older ones are forgotten (default: %(default)s)")
     c.add_argument("--keep-request-ids", type=int, default=100_000, metavar="N", help="request ids whose results are kept to answer retried calls exactly once (default: %(default)s)")
     c.add_argument("--max-runs", type=int, default=1000, metavar="N", help="runs held at once; at the limit a new run replaces the oldest closed run with no live member, or is refused (default: %(default)s)")

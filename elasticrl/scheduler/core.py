@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import time
@@ -105,6 +106,7 @@ class SchedulerCore(ResultBook):
         self._trim_due: set[str] = set()
         now = self.clock()
         self._elapsed_at_seal: dict[tuple[str, int], float] = {}
+        self._seal_order = itertools.count(1)
         for it, elapsed in self.db.load(now, wall_clock()):
             self.iterations[it.run_id][it.iteration] = it
             if it.sealed:
@@ -114,6 +116,11 @@ class SchedulerCore(ResultBook):
             if recovery.restore_groups(it, store, self.db) and it.sealed:
                 store.write_manifest(it.run_id, it.iteration, self.manifest(it))
         self._wall = wall_clock
+        self._dropped_upto.update(self.db.dropped())
+        loaded = sorted((it for its in self.iterations.values() for it in its.values() if it.sealed),
+                        key=lambda it: (round(it.sealed_at, 3), it.iteration))  # to the ms: a tie by number
+        for it in loaded:
+            it.seal_order = next(self._seal_order)
         dropped = store.remove_dropped({(r, i) for r, its in self.iterations.items() for i in its})
         if dropped:
             log.warning("scheduler: removed %d shard file(s) of iterations dropped before the last stop", len(dropped))
@@ -535,6 +542,7 @@ class SchedulerCore(ResultBook):
         with self.db.tx() as db:
             db.put_seal(it, reason, now - it.submitted_at)
         it.sealed_at, it.seal_reason = now, reason  # only once the seal is durable
+        it.seal_order = next(self._seal_order)
         self.metrics.sealed.inc(run=it.run_id)
         self.metrics.seal_time.observe(now - it.submitted_at, run=it.run_id)
         for task in dropped:
@@ -563,7 +571,9 @@ class SchedulerCore(ResultBook):
         are read back from their shards if a trainer still asks for them), and the newest
         ``keep_iterations`` sealed iterations at all: older ones leave memory, SQLite and disk."""
         its = self.iterations.get(run_id, {})
-        sealed = sorted(i for i, it in its.items() if it.sealed)
+        # In the order they sealed, not by number: an iteration submitted again after it was dropped
+        # (a trainer resumed from an older checkpoint) is the newest once it seals.
+        sealed = sorted((i for i, it in its.items() if it.sealed), key=lambda i: its[i].seal_order)
         for iteration in sealed[-self.keep_iterations:-KEEP_SEALED_GROUPS]:
             it = its[iteration]
             it.groups.clear()
@@ -572,13 +582,15 @@ class SchedulerCore(ResultBook):
         old = sealed[:-self.keep_iterations]
         if not old:
             return
+        upto = max(self._dropped_upto.get(run_id, -1), *old)
         with self.db.tx() as db:
             db.delete_iterations(run_id, old)
+            db.put_dropped(run_id, upto)
         for iteration in old:
             del its[iteration]
             self._elapsed_at_seal.pop((run_id, iteration), None)
             self.store.drop(run_id, iteration)
-        self._dropped_upto[run_id] = max(self._dropped_upto.get(run_id, -1), old[-1])
+        self._dropped_upto[run_id] = upto
         log.debug("run %s: dropped sealed iteration(s) %s (keeping %d)", run_id, old, self.keep_iterations)
 
     def end_streams(self, run_id: str, reason: str) -> None:

@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS sched_done (
 CREATE TABLE IF NOT EXISTS sched_task_failures (
     run_id TEXT NOT NULL, iteration INTEGER NOT NULL, task_id TEXT NOT NULL, failures INTEGER NOT NULL,
     PRIMARY KEY (run_id, iteration, task_id));
+CREATE TABLE IF NOT EXISTS sched_dropped (run_id TEXT PRIMARY KEY, upto INTEGER NOT NULL);
 """
 
 
@@ -134,6 +135,15 @@ class SchedulerDB:
             "run_id=? AND iteration=?", [(run_id, i) for i in iterations])
         for table in ("sched_iterations", "sched_tasks", "sched_done", "sched_nodes", "sched_task_failures"):
             self._conn.executemany(f"DELETE FROM {table} WHERE {where}", args)
+        if iterations is None:
+            self._conn.execute("DELETE FROM sched_dropped WHERE run_id=?", (run_id,))
+
+    def put_dropped(self, run_id: str, upto: int) -> None:
+        """The highest iteration number retention dropped (so a fetch of one says it was dropped)."""
+        self._conn.execute("INSERT OR REPLACE INTO sched_dropped VALUES (?, ?)", (run_id, upto))
+
+    def dropped(self) -> dict[str, int]:
+        return dict(self._conn.execute("SELECT run_id, upto FROM sched_dropped"))
 
     def put_requeue(self, it: Iteration, task: Task) -> None:
         self._conn.execute(
@@ -205,8 +215,8 @@ class SchedulerDB:
                 else:
                     it.queue.append(task_id)
                 it.tasks[task_id] = task
-            if sealed:
-                it.sealed_at = now
+            if sealed:  # on this process's clock as well, so that retention keeps the seal order
+                it.sealed_at = min(now, it.submitted_at + elapsed_s)
                 it.seal_reason = seal_reason
             out.append((it, elapsed_s))
         if legacy:  # their node stats move to their table, and leave the counters' JSON
@@ -233,6 +243,12 @@ class _Unwritten(SchedulerDB):
 
     def delete_iterations(self, run_id, iterations=None):
         pass
+
+    def put_dropped(self, run_id, upto):
+        pass
+
+    def dropped(self):
+        return {}
 
     def put_requeue(self, it, task):
         pass

@@ -62,7 +62,10 @@ def pick_tasks(it: Iteration, worker: Worker, free: int, *, retry_anywhere: bool
                 return picked
             task = it.tasks[task_id]
             # Still in ``holding``: its task lease expired, but the worker still runs that copy.
-            if (task.status is TaskStatus.QUEUED and worker.member_id not in task.holders
+            # ``storing``: queued after its lease expired, then a copy's result came; that result
+            # decides (done, or queued again if it cannot be stored). Handed out meanwhile, it went
+            # back to the worker whose result it was, which the commit does not cancel.
+            if (task.status is TaskStatus.QUEUED and not task.storing and worker.member_id not in task.holders
                     and (it.iteration, task_id) not in worker.holding
                     and (retry_anywhere or worker.member_id not in task.failed_on)):
                 picked.append((task_id, False))

@@ -223,6 +223,9 @@ class ResultBook:
         # tasks it hands out of another of these iterations must not be overwritten afterwards.
         for iteration, it in touched.items():
             it.counters, it.nodes[worker.member_id] = staged[iteration]
+        # Every result of the batch done before any seal: a seal dispatches, and it would hand out
+        # a task of a later iteration whose result is in this batch (queued again after its lease
+        # ran out) to the very worker that delivered it, whose copy ``_complete`` does not cancel.
         for iteration, it in sorted(touched.items()):
             batch = fresh.get(iteration, [])
             for g in batch:
@@ -230,6 +233,7 @@ class ResultBook:
             if batch:
                 self.metrics.accepted.inc(len(batch), run=conn.run_id)
                 self.metrics.trajectory_bytes.inc(sum(g.num_bytes for g in batch), run=conn.run_id)
+        for _, it in sorted(touched.items()):
             self._maybe_seal(it)
         # A copy refused as a duplicate of a result that was then abandoned: it was the last one.
         orphans = [(i, task_id) for i, task_id, reason in refused if reason == "duplicate"

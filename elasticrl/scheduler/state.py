@@ -312,6 +312,9 @@ class Iteration:
     evicted: list[str] = dataclasses.field(default_factory=list)
     sealed_at: float | None = None
     seal_reason: str = ""
+    seal_order: int = 0
+    """Sealed iterations in the order they sealed (retention keeps the newest); those a restart
+    loads come first, in the order of their seal times."""
     next_expiry: float = math.inf
     """No running copy's task lease ends before this (a lower bound ``core`` keeps as it hands
     out copies; inf: none): the tick looks for expired leases only once it has passed, not over

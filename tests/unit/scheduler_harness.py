@@ -160,3 +160,24 @@ def expect_commit(its: dict, items: list[Item], *, accepted) -> tuple[list[Item]
             else:
                 stored.append(item)
     return stored, late
+
+
+class KeepingHarness(Harness):
+    """A ``Harness`` whose scheduler is built with ``keep_iterations`` (``--keep-iterations``), so
+    that it applies from the start-up on, as a restarted coordinator's does (a value smaller than
+    the last process's drops the excess at once); setting the attribute afterwards misses that."""
+
+    def __init__(
+        self,
+        *,
+        keep_iterations: int,
+        clock: Clock | None = None,
+        lease_ttl_s: float = 30.0,
+        state_dir: pathlib.Path | None = None,
+    ) -> None:
+        self.clock = clock or Clock()
+        db = StateDB(None if state_dir is None else state_dir / "state.db")
+        self.coord = CoordinatorCore(db, lease_ttl_s=lease_ttl_s, clock=self.clock)
+        self.store = TrajectoryStore(None if state_dir is None else state_dir / "trajectories")
+        self.sched = SchedulerCore(self.coord, self.store, wall_clock=self.clock.wall, keep_iterations=keep_iterations)
+        self.incarnations: dict[str, int] = {}

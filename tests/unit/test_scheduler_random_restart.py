@@ -114,6 +114,8 @@ class Sim:
         self.procs: dict[str, Proc] = {}
         self.tasks_of: dict[int, list[str]] = {}  # iteration -> its task ids, as submitted
         self.dropped: set[int] = set()  # iterations the scheduler let go (retention)
+        # When each iteration sealed (wall clock), as first seen: retention keeps the last to seal.
+        self.sealed_wall: dict[int, float] = {}
         self.sent: dict[str, tuple[str, list[Item]]] = {}  # batch id -> (member, items)
         self.first_ack: dict[str, tuple[int, list]] = {}  # batch id -> (accepted, refused) of its commit
         self.accepted: dict[tuple[int, str], Item] = {}  # the one result accepted per task
@@ -485,6 +487,7 @@ class Sim:
         self.note(f"RESTART clean={clean} losing {lost}")
         if clean:  # right after a tick saved the assignment counts
             self.h.sched.save_counters()
+        self.note_seals()
         before = self.view()
         old = self.h
         old.store.settle()  # a dropped iteration's files retired (a thread): deterministic
@@ -519,13 +522,24 @@ class Sim:
             )
         return out
 
+    def note_seals(self) -> None:
+        offset = self.h.clock.wall() - self.h.clock()
+        for n, it in self.its().items():
+            if it.sealed and n not in self.sealed_wall:
+                self.sealed_wall[n] = it.sealed_at + offset
+
+    def sealed_no_later(self, gone: list[int], kept: list[int]) -> bool:
+        """Every iteration of ``gone`` sealed no later than every one of ``kept`` (a tie either way)."""
+        return not gone or not kept or max(self.sealed_wall[n] for n in gone) <= min(self.sealed_wall[n] for n in kept) + 1e-6
+
     def compare_restart(self, before: dict[int, View], after: dict[int, View], clean: bool) -> None:
         gone = sorted(set(before) - set(after))
         assert set(after) <= set(before), self.ctx(f"iterations {sorted(set(after) - set(before))} appeared")
         # Only retention may drop one at start-up (a trim the last tick had not done yet).
         kept_sealed = sorted(n for n in after if after[n].sealed)
         for n in gone:
-            assert before[n].sealed and kept_sealed and n < kept_sealed[0], self.ctx(f"iteration {n} lost in the restart")
+            assert before[n].sealed and kept_sealed and self.sealed_no_later([n], kept_sealed), self.ctx(
+                f"iteration {n} lost in the restart")
         for n, a in after.items():
             b = before[n]
             where = f"iteration {n} across the restart"
@@ -576,6 +590,7 @@ class Sim:
         return cached[1]
 
     def check(self) -> None:
+        self.note_seals()
         its = self.its()
         for n in self.tasks_of:
             if n not in its and n not in self.dropped:
@@ -583,8 +598,8 @@ class Sim:
                 self.dropped.add(n)
         assert not self.dropped & set(its), self.ctx(f"dropped iterations {sorted(self.dropped & set(its))} are back")
         kept_sealed = sorted(n for n, it in its.items() if it.sealed)
-        assert all(n < kept_sealed[0] for n in self.dropped) if kept_sealed else True, self.ctx(
-            f"dropped {sorted(self.dropped)} while older sealed ones are kept {kept_sealed}")
+        assert self.sealed_no_later(sorted(self.dropped), kept_sealed), self.ctx(
+            f"dropped {sorted(self.dropped)} while ones that sealed before them are kept {kept_sealed}")
         storing = self.storing()
         conns = self.h.sched.conns.get(RUN, {})
         for c in conns.values():
