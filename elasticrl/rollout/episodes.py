@@ -10,9 +10,11 @@ of every group its callers hand it on one asyncio loop in a private thread:
   step) or ``linger_s`` after the first one parked (a slow env does not hold the others up).
   Identical contexts (the G episodes of a single-turn group) go as one request with ``n = k``, so a
   one-turn episode draws exactly what a plain GRPO group would, and vLLM shares their prefill.
-* **Envs** run concurrently: ``async def`` methods on the loop, sync ones on a thread pool sized
-  ``episodes_in_flight``. Instances are pooled and reused through ``reset``; one that failed is
-  discarded. Every reset and step has a deadline (``step_timeout_s``).
+* **Envs** run concurrently: ``async def`` methods on the loop, sync ones on a thread of each
+  instance's own (``EnvThread``: it is built there too), so a call that hangs holds only its own
+  env. Instances are pooled and reused through ``reset``; one that failed is discarded (closed once
+  its last call returns), and so is one whose build returns after its episode is gone. Every build,
+  reset and step has a deadline (``step_timeout_s``).
 * **Failures.** An env that raises, returns garbage or passes its deadline fails that episode;
   the group's other episodes are cancelled and the group comes back as failed with the error
   (the caller gives the task back to the scheduler, which retries it elsewhere once). An engine
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -38,6 +41,7 @@ from typing import Any
 from elasticrl.env.base import EnvError, call_close, call_reset, call_step, env_label
 from elasticrl.env.wrappers import TurnLimit
 from elasticrl.rollout.engine import GroupRequest, RolloutEngine, Sample, SamplingSpec
+from elasticrl.rollout.env_thread import EnvThread
 from elasticrl.rollout.render import Renderer
 
 log = logging.getLogger(__name__)
@@ -176,7 +180,8 @@ class EpisodeRunner:
         self.max_context = min(limits) if limits else 1 << 62
         self.generate_calls = 0
         self.generated_rows = 0
-        self._env_pool = concurrent.futures.ThreadPoolExecutor(settings.episodes_in_flight, thread_name_prefix="env")
+        self._threads: dict[int, EnvThread] = {}  # id(env) -> the thread it was built on and runs on
+        self._deferred: set[concurrent.futures.Future] = set()  # calls past their deadline, their env to close after
         self._engine_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
         self._idle_envs: list[TurnLimit] = []
         self._busy: dict[int, concurrent.futures.Future] = {}
@@ -235,6 +240,11 @@ class EpisodeRunner:
             envs, self._idle_envs = self._idle_envs, []
             for env in envs:
                 await self._close_env(env)
+            # Envs discarded while a call of theirs still ran: closed once it returns (if in time).
+            running = [asyncio.wrap_future(f) for f in list(self._deferred)]
+            if running:
+                await asyncio.wait(running, timeout=timeout_s)
+                await asyncio.sleep(0)  # their closes, queued right after the calls' ends, start
             if self._closing:
                 await asyncio.wait(set(self._closing), timeout=timeout_s)
 
@@ -244,17 +254,19 @@ class EpisodeRunner:
             log.warning("episode runner: closing envs failed: %s", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
-        self._env_pool.shutdown(wait=False, cancel_futures=True)
+        for thread in self._threads.values():  # daemons: one still in a hung call ends with the process
+            thread.stop()
+        self._threads.clear()
         self._engine_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- envs ----------------------------------------------------------------------------------
 
     def _runner(self, env: TurnLimit) -> Callable[[Callable[[], Any]], asyncio.Future]:
-        """How ``env``'s sync methods run: on the env pool, remembering the call, so an env whose
+        """How ``env``'s sync methods run: on its own thread, remembering the call, so an env whose
         call passed its deadline (still running in its thread) is closed only after it returns."""
 
         def run(fn: Callable[[], Any]) -> asyncio.Future:
-            call = self._env_pool.submit(fn)
+            call = self._threads[id(env)].submit(fn)
             self._busy[id(env)] = call
             return asyncio.wrap_future(call, loop=self._loop)
 
@@ -263,23 +275,59 @@ class EpisodeRunner:
     async def _acquire_env(self) -> TurnLimit:
         if self._idle_envs:
             return self._idle_envs.pop()
-        built = asyncio.wrap_future(self._env_pool.submit(self.make_env), loop=self._loop)
+        thread = EnvThread()
+        call = thread.submit(self.make_env)
         try:
-            env = await asyncio.wait_for(built, self.settings.step_timeout_s)
-        except asyncio.TimeoutError:
-            raise EnvError(f"building an env took longer than env.step_timeout_s = {self.settings.step_timeout_s:g}s") from None
-        except EnvError:
-            raise
-        except Exception as exc:  # a bare class as make_env: its constructor is the env's code
+            built = await asyncio.wait_for(asyncio.wrap_future(call, loop=self._loop), self.settings.step_timeout_s)
+        except BaseException as exc:
+            # Failed, past its deadline, or its episode is gone (the group failed): an env the
+            # build still returns is closed then, and the thread ends.
+            call.add_done_callback(lambda done: self._orphan(done, thread))
+            if isinstance(exc, asyncio.TimeoutError):
+                raise EnvError(f"building an env took longer than env.step_timeout_s = {self.settings.step_timeout_s:g}s") from None
+            if isinstance(exc, EnvError) or not isinstance(exc, Exception):
+                raise
+            # a bare class as make_env: its constructor is the env's code
             raise EnvError(f"building an env raised {type(exc).__name__}: {exc}") from exc
-        return TurnLimit(env, self.settings.max_turns)
+        env = TurnLimit(built, self.settings.max_turns)
+        self._threads[id(env)] = thread
+        return env
+
+    def _orphan(self, build: concurrent.futures.Future, thread: EnvThread) -> None:
+        """A build whose episode did not take its env (any thread): close the env it returned."""
+        if build.cancelled() or build.exception() is not None:
+            thread.stop()
+            return
+        env = TurnLimit(build.result(), self.settings.max_turns)
+
+        def adopt() -> None:
+            self._threads[id(env)] = thread
+            self._close_later(env)
+
+        try:
+            if self._closed:
+                raise RuntimeError("the runner is closed")
+            self._loop.call_soon_threadsafe(adopt)
+        except RuntimeError:  # the loop is gone: close a sync env here, on its thread
+            thread.stop()
+            close = getattr(env.env, "close", None)
+            if callable(close) and not inspect.iscoroutinefunction(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - best effort at teardown
+                    log.warning("closing env %s failed: %s", env_label(env), exc)
 
     def _discard_env(self, env: TurnLimit) -> None:
         busy = self._busy.pop(id(env), None)
         if busy is not None and not busy.done():
+            self._deferred.add(busy)  # ``close`` waits for it, then for this close
+
             def later(_: concurrent.futures.Future) -> None:
-                if not self._closed:  # else the runner is gone, and the process with it soon
+                try:
                     self._loop.call_soon_threadsafe(self._close_later, env)
+                except RuntimeError:  # the loop is closed: the runner gave up on this call
+                    pass
+                self._deferred.discard(busy)
 
             busy.add_done_callback(later)
             return
@@ -293,9 +341,15 @@ class EpisodeRunner:
     async def _close_env(self, env: TurnLimit) -> None:
         self._busy.pop(id(env), None)
         try:
-            await asyncio.wait_for(call_close(env, run_sync=self._runner(env)), self.settings.step_timeout_s)
+            # In this task (not wait_for's own): ``close`` cancels every task but the closes.
+            async with asyncio.timeout(self.settings.step_timeout_s):
+                await call_close(env, run_sync=self._runner(env))
         except Exception as exc:  # noqa: BLE001 - a failing close must not fail anything else
             log.warning("closing env %s failed: %s", env_label(env), exc)
+        finally:
+            thread = self._threads.pop(id(env), None)
+            if thread is not None:
+                thread.stop()  # after the close, even one still running past its deadline
 
     async def _env_call(self, env: TurnLimit, what: str, call) -> Any:
         try:
@@ -412,6 +466,11 @@ class EpisodeRunner:
             tokens = self._render(env, self.renderer.first, obs)
             if not tokens:
                 raise EnvError(f"env {env_label(env)}.reset(): the first observation renders to no tokens")
+            if len(tokens) >= self.max_context:  # no room for one action: it would train on nothing
+                raise EnvError(
+                    f"env {env_label(env)}.reset(): the first observation renders to {len(tokens)} tokens, and the "
+                    f"context holds {self.max_context} (the smaller of rollout max_context and the engine's); "
+                    "leave room for an action: a shorter prompt or a longer context")
             mask, logprobs = [0] * len(tokens), [0.0] * len(tokens)
             prompt, transcript, rewards = self.renderer.as_text(obs), [], []
             turns, truncated, last, version = 0, False, "stop", -1
@@ -476,7 +535,10 @@ class EpisodeRunner:
     def _render(env: TurnLimit, render: Callable, obs) -> list[int]:
         try:
             return render(obs)
-        except EnvError:
-            raise
+        except EnvError as exc:
+            label = env_label(env)
+            if label in str(exc):
+                raise
+            raise EnvError(f"env {label}: {exc}") from exc
         except ValueError as exc:  # e.g. a character the tiny vocabulary lacks
             raise EnvError(f"env {env_label(env)}: its observation cannot be tokenized: {exc}") from exc
