@@ -31,17 +31,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from elasticrl.env.base import EnvError, call_close, call_reset, call_step, env_label
+from elasticrl.env.base import EnvError, call_reset, call_step, env_label
 from elasticrl.env.wrappers import TurnLimit
 from elasticrl.rollout.engine import GroupRequest, RolloutEngine, Sample, SamplingSpec
-from elasticrl.rollout.env_thread import EnvThread
+from elasticrl.rollout.env_pool import EnvPool
 from elasticrl.rollout.render import Renderer
 
 log = logging.getLogger(__name__)
@@ -180,16 +179,12 @@ class EpisodeRunner:
         self.max_context = min(limits) if limits else 1 << 62
         self.generate_calls = 0
         self.generated_rows = 0
-        self._threads: dict[int, EnvThread] = {}  # id(env) -> the thread it was built on and runs on
-        self._deferred: set[concurrent.futures.Future] = set()  # calls past their deadline, their env to close after
         self._engine_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
-        self._idle_envs: list[TurnLimit] = []
-        self._busy: dict[int, concurrent.futures.Future] = {}
-        self._closing: set[asyncio.Task] = set()
         self._parked: list[_Parked] = []
         self._live = 0
         self._closed = False
         self._loop = asyncio.new_event_loop()
+        self._envs = EnvPool(self._loop, make_env, max_turns=settings.max_turns, timeout_s=settings.step_timeout_s)
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="episodes", daemon=True)
         self._thread.start()
@@ -232,21 +227,12 @@ class EpisodeRunner:
             # Episodes still playing end now (their ``play`` callers get CancelledError): a
             # caller left waiting on a stopped loop would hang its thread, and with it the exit
             # of the process (which joins pool threads), until torchrun's SIGKILL 30 s later.
-            playing = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in self._closing]
+            playing = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in self._envs.closing]
             for task in playing:
                 task.cancel()
             if playing:
                 await asyncio.wait(playing, timeout=timeout_s)
-            envs, self._idle_envs = self._idle_envs, []
-            for env in envs:
-                await self._close_env(env)
-            # Envs discarded while a call of theirs still ran: closed once it returns (if in time).
-            running = [asyncio.wrap_future(f) for f in list(self._deferred)]
-            if running:
-                await asyncio.wait(running, timeout=timeout_s)
-                await asyncio.sleep(0)  # their closes, queued right after the calls' ends, start
-            if self._closing:
-                await asyncio.wait(set(self._closing), timeout=timeout_s)
+            await self._envs.close(timeout_s)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout_s)
@@ -254,109 +240,8 @@ class EpisodeRunner:
             log.warning("episode runner: closing envs failed: %s", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
-        for thread in self._threads.values():  # daemons: one still in a hung call ends with the process
-            thread.stop()
-        self._threads.clear()
+        self._envs.stop_threads()
         self._engine_pool.shutdown(wait=False, cancel_futures=True)
-
-    # -- envs ----------------------------------------------------------------------------------
-
-    def _runner(self, env: TurnLimit) -> Callable[[Callable[[], Any]], asyncio.Future]:
-        """How ``env``'s sync methods run: on its own thread, remembering the call, so an env whose
-        call passed its deadline (still running in its thread) is closed only after it returns."""
-
-        def run(fn: Callable[[], Any]) -> asyncio.Future:
-            call = self._threads[id(env)].submit(fn)
-            self._busy[id(env)] = call
-            return asyncio.wrap_future(call, loop=self._loop)
-
-        return run
-
-    async def _acquire_env(self) -> TurnLimit:
-        if self._idle_envs:
-            return self._idle_envs.pop()
-        thread = EnvThread()
-        call = thread.submit(self.make_env)
-        try:
-            built = await asyncio.wait_for(asyncio.wrap_future(call, loop=self._loop), self.settings.step_timeout_s)
-        except BaseException as exc:
-            # Failed, past its deadline, or its episode is gone (the group failed): an env the
-            # build still returns is closed then, and the thread ends.
-            call.add_done_callback(lambda done: self._orphan(done, thread))
-            if isinstance(exc, asyncio.TimeoutError):
-                raise EnvError(f"building an env took longer than env.step_timeout_s = {self.settings.step_timeout_s:g}s") from None
-            if isinstance(exc, EnvError) or not isinstance(exc, Exception):
-                raise
-            # a bare class as make_env: its constructor is the env's code
-            raise EnvError(f"building an env raised {type(exc).__name__}: {exc}") from exc
-        env = TurnLimit(built, self.settings.max_turns)
-        self._threads[id(env)] = thread
-        return env
-
-    def _orphan(self, build: concurrent.futures.Future, thread: EnvThread) -> None:
-        """A build whose episode did not take its env (any thread): close the env it returned."""
-        if build.cancelled() or build.exception() is not None:
-            thread.stop()
-            return
-        env = TurnLimit(build.result(), self.settings.max_turns)
-
-        def adopt() -> None:
-            self._threads[id(env)] = thread
-            self._close_later(env)
-
-        try:
-            if self._closed:
-                raise RuntimeError("the runner is closed")
-            self._loop.call_soon_threadsafe(adopt)
-        except RuntimeError:  # the loop is gone: close a sync env here, on its thread
-            thread.stop()
-            close = getattr(env.env, "close", None)
-            if callable(close) and not inspect.iscoroutinefunction(close):
-                try:
-                    close()
-                except Exception as exc:  # noqa: BLE001 - best effort at teardown
-                    log.warning("closing env %s failed: %s", env_label(env), exc)
-
-    def _discard_env(self, env: TurnLimit) -> None:
-        busy = self._busy.pop(id(env), None)
-        if busy is not None and not busy.done():
-            self._deferred.add(busy)  # ``close`` waits for it, then for this close
-
-            def later(_: concurrent.futures.Future) -> None:
-                try:
-                    self._loop.call_soon_threadsafe(self._close_later, env)
-                except RuntimeError:  # the loop is closed: the runner gave up on this call
-                    pass
-                self._deferred.discard(busy)
-
-            busy.add_done_callback(later)
-            return
-        self._close_later(env)
-
-    def _close_later(self, env: TurnLimit) -> None:
-        task = self._loop.create_task(self._close_env(env))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def _close_env(self, env: TurnLimit) -> None:
-        self._busy.pop(id(env), None)
-        try:
-            # In this task (not wait_for's own): ``close`` cancels every task but the closes.
-            async with asyncio.timeout(self.settings.step_timeout_s):
-                await call_close(env, run_sync=self._runner(env))
-        except Exception as exc:  # noqa: BLE001 - a failing close must not fail anything else
-            log.warning("closing env %s failed: %s", env_label(env), exc)
-        finally:
-            thread = self._threads.pop(id(env), None)
-            if thread is not None:
-                thread.stop()  # after the close, even one still running past its deadline
-
-    async def _env_call(self, env: TurnLimit, what: str, call) -> Any:
-        try:
-            return await asyncio.wait_for(call, self.settings.step_timeout_s)
-        except asyncio.TimeoutError:
-            raise EnvError(f"env {env_label(env)}.{what}() did not return within env.step_timeout_s = "
-                           f"{self.settings.step_timeout_s:g}s") from None
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -454,14 +339,14 @@ class EpisodeRunner:
         seed = episode_seed(task.seed, index)
         env_s = gen_s = 0.0
         try:
-            env = await self._acquire_env()
+            env = await self._envs.acquire()
         except EnvError as exc:
             raise EpisodeFailed(str(exc)) from exc
-        run_sync = self._runner(env)
+        run_sync = self._envs.run_sync(env)
         healthy = False
         try:
             t0 = time.perf_counter()
-            obs, _ = await self._env_call(env, "reset", call_reset(env, seed=seed, options=dict(task.row), run_sync=run_sync))
+            obs, _ = await self._envs.call(env, "reset", call_reset(env, seed=seed, options=dict(task.row), run_sync=run_sync))
             env_s += time.perf_counter() - t0
             tokens = self._render(env, self.renderer.first, obs)
             if not tokens:
@@ -500,7 +385,7 @@ class EpisodeRunner:
                 transcript.append(action)
                 turns += 1
                 t0 = time.perf_counter()
-                obs, reward, terminated, cut, _ = await self._env_call(env, "step", call_step(env, action, run_sync=run_sync))
+                obs, reward, terminated, cut, _ = await self._envs.call(env, "step", call_step(env, action, run_sync=run_sync))
                 env_s += time.perf_counter() - t0
                 rewards.append(reward)
                 if terminated or cut:
@@ -518,10 +403,7 @@ class EpisodeRunner:
         except EnvError as exc:
             raise EpisodeFailed(str(exc)) from exc
         finally:
-            if healthy:
-                self._idle_envs.append(env)
-            else:
-                self._discard_env(env)
+            self._envs.release(env, healthy=healthy)
         text = "\n".join(transcript)
         if self.final_reward is not None:
             rewards.append(float(self.final_reward(prompt, text, task.row)))
