@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 CHECKED_WAIT_CHUNK_S = 0.5
 """How often a barrier wait with a ``check`` runs it, seconds (one re-arrival per chunk)."""
 
+STOP_GRACE_S = 0.5
+"""How long ``Membership.stop`` lets the coordinator end the member's stream before cancelling it."""
+
 TOKEN_ENV = "ELASTICRL_TOKEN"
 _ROUND_STATUS = {
     pb.ROUND_STATUS_COMPLETE: "complete",
@@ -452,7 +455,12 @@ class Membership:
         self._stop.set()
         self._stream.wake()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.client.call_timeout_s + 1)
+            # The coordinator ends the stream once it answered the arrivals waiting on it; one of
+            # this member's may wait for a barrier the others have not reached: do not wait for it.
+            self._thread.join(timeout=STOP_GRACE_S)
+            if self._thread.is_alive():
+                self._stream.cancel()
+                self._thread.join(timeout=self.client.call_timeout_s + 1)
 
     def leave(self, reason: str = "") -> None:
         self.stop()

@@ -60,6 +60,7 @@ class MemberStream:
         self._outbox: queue.SimpleQueue | None = None  # the open stream's, once it answered
         self._put: Callable[[pb.SessionRequest], None] | None = None  # how an arrival goes on it
         self._current: queue.SimpleQueue | None = None  # the stream's being opened or open (for wake)
+        self._call = None  # the open stream (for cancel)
         self._waiting: dict[int, _Answer] = {}
         self._lock = threading.Lock()
 
@@ -94,6 +95,10 @@ class MemberStream:
             up = False
             try:
                 call = self._open(self._requests(outbox))
+                with self._lock:
+                    self._call = call
+                if self.stop.is_set():  # stopped while it opened: ``cancel`` may have missed it
+                    call.cancel()
                 for resp in call:
                     if not up:
                         up = True
@@ -190,3 +195,13 @@ class MemberStream:
             outbox = self._current
         if outbox is not None:
             outbox.put(None)
+
+    def cancel(self) -> None:
+        """After ``stop``: end the stream now, without waiting for the coordinator to end it (it
+        answers the arrivals still waiting on it first: a stopping member's may wait for a barrier
+        decision). Those arrivals are answered None. The ``close`` already sent keeps it from
+        reading as a crash."""
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()

@@ -153,3 +153,41 @@ def test_a_stream_ended_without_its_close_message_counts_as_broken_and_one_with_
         assert member_state(client, "ends", "quiet")["state"] == "MEMBER_STATE_EVICTED"
         assert "stream broke" in member_state(client, "ends", "quiet")["reason"]
         assert member_state(client, "ends", "polite")["state"] == "MEMBER_STATE_LIVE"
+
+
+@pytest.mark.timeout(90)
+def test_a_member_that_leaves_while_its_arrival_waits_is_not_held_by_its_stream(coordinator):
+    """The coordinator ends a closed stream only once the arrivals waiting on it are answered, and
+    a leaving member's may wait for a barrier the others have not reached: ``leave`` used to block
+    for the client's call timeout (here 30 s), its renewal thread left running."""
+    from elasticrl.errors import FencedError
+
+    with CoordinatorClient(coordinator.address, call_timeout_s=30) as ca, \
+            CoordinatorClient(coordinator.address, call_timeout_s=30) as cb:
+        a = Membership(ca, "leaving", "a", lease_ttl_s=30.0)
+        b = Membership(cb, "leaving", "b", lease_ttl_s=30.0)
+        try:
+            assert a.streaming.wait(30) and b.streaming.wait(30)
+            outcome: list = []
+
+            def arrive() -> None:
+                try:
+                    outcome.append(a.arrive("x", timeout_s=60))
+                except Exception as exc:  # noqa: BLE001 - checked below
+                    outcome.append(exc)
+
+            waiter = threading.Thread(target=arrive, daemon=True)
+            waiter.start()
+            wait_until(lambda: any(bar["name"] == "x" and "a" in bar.get("arrived", [])
+                                   for bar in ca.status("leaving")["runs"][0].get("open_barriers", [])), 15,
+                       message="a's arrival at x")
+            started = time.monotonic()
+            a.leave("done")
+            assert time.monotonic() - started < 10, "leave() waited for the stream"
+            assert not a._thread.is_alive()
+            assert member_state(cb, "leaving", "a")["state"] == "MEMBER_STATE_LEFT"  # left, not evicted as a crash
+            assert b.arrive("x", timeout_s=60).arrived == ["b"]
+            waiter.join(30)
+            assert len(outcome) == 1 and isinstance(outcome[0], FencedError), outcome
+        finally:
+            b.leave("done")
