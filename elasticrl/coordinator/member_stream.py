@@ -61,6 +61,7 @@ class MemberStream:
         self._put: Callable[[pb.SessionRequest], None] | None = None  # how an arrival goes on it
         self._current: queue.SimpleQueue | None = None  # the stream's being opened or open (for wake)
         self._call = None  # the open stream (for cancel)
+        self._cancelled = False
         self._waiting: dict[int, _Answer] = {}
         self._lock = threading.Lock()
 
@@ -97,7 +98,8 @@ class MemberStream:
                 call = self._open(self._requests(outbox))
                 with self._lock:
                     self._call = call
-                if self.stop.is_set():  # stopped while it opened: ``cancel`` may have missed it
+                    cancelled = self._cancelled
+                if cancelled:  # ``cancel`` came while it opened
                     call.cancel()
                 for resp in call:
                     if not up:
@@ -202,6 +204,6 @@ class MemberStream:
         decision). Those arrivals are answered None. The ``close`` already sent keeps it from
         reading as a crash."""
         with self._lock:
-            call = self._call
+            call, self._cancelled = self._call, True
         if call is not None:
             call.cancel()
