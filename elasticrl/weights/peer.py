@@ -53,6 +53,8 @@ STALL_TIMEOUT_S = 10.0
 RESUME_TIMEOUT_S = 60.0
 """A transfer under way gives up when no source delivered a byte for this long."""
 LOCATE_WAIT_S = 2.0
+NOT_HELD_PAUSE_S = 0.1
+"""After a source answered that it moved past the version asked for, before asking the coordinator again."""
 REANNOUNCE_S = 30.0
 """A worker with nothing new to fetch says again what it holds this often: a coordinator that
 restarted (holders are kept in memory only) learns its sources back without a new publish."""
@@ -63,6 +65,11 @@ _LEN = struct.Struct("<I")
 
 class PeerError(ElasticRLError):
     """A weight source refused the request, broke off or stalled, or sent a wrong blob."""
+
+
+class NotHeldError(PeerError):
+    """A source answered that it does not hold the version asked for (it moved on to newer ones):
+    it is alive, so ``fetch`` does not report it unreachable; it asks the coordinator again."""
 
 
 class Held:
@@ -317,7 +324,8 @@ class WeightPeer:
         held = self.get(version, timeout_s=self.stall_timeout_s)
         if held is None:
             newest = self.newest()
-            _send_json(conn, {"ok": False, "error": f"version {version} is not held here (newest: {newest.version if newest else 'none'})"})
+            _send_json(conn, {"ok": False, "not_held": True,
+                              "error": f"version {version} is not held here (newest: {newest.version if newest else 'none'})"})
             return
         if not 0 <= offset <= held.total_bytes:
             _send_json(conn, {"ok": False, "error": f"offset: {offset} must be in 0..{held.total_bytes}"})
@@ -352,7 +360,8 @@ def read_from(addr: str, held: Held, verifier: _Verifier, *, run_id: str, token:
                        "offset": held.filled})
         header = _recv_json(s)
         if not header.get("ok"):
-            raise PeerError(f"weight source {addr}: {header.get('error', 'refused')}")
+            error = NotHeldError if header.get("not_held") else PeerError
+            raise error(f"weight source {addr}: {header.get('error', 'refused')}")
         pieces = header.get("pieces")
         if (header.get("total_bytes") != held.total_bytes or header.get("digest") != held.digest
                 or not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces)
@@ -420,6 +429,15 @@ def fetch(client, run_id: str, member_id: str, peer: WeightPeer, *, have_version
             try:
                 read_from(src.address, held, verifier, run_id=run_id, token=token, stall_timeout_s=stall_timeout_s,
                           on_bytes=on_bytes)
+            except NotHeldError as exc:
+                # Alive, and past this version: the coordinator names a newer one (or, until the
+                # announce of that reaches it, this source again: hence the pause).
+                log.info("weights of run %s version %#x: %s; asking again", run_id, held.version, exc)
+                if stop is None:
+                    time.sleep(NOT_HELD_PAUSE_S)
+                elif stop.wait(NOT_HELD_PAUSE_S):
+                    return None
+                continue
             except (OSError, PeerError) as exc:
                 held.sources.append((src.source_member, first, held.filled))
                 if held.filled > first:
@@ -462,11 +480,15 @@ def _announce(client, run_id: str, member_id: str, peer: WeightPeer, held: Held)
 
 
 def publish(client, run_id: str, member_id: str, peer: WeightPeer, version: int, blob: bytes | bytearray) -> Held:
-    """Serve ``blob`` as ``version`` from ``peer`` and announce it: the trainer's side."""
+    """Serve ``blob`` as ``version`` from ``peer`` and announce it: the trainer's side.
+
+    Announced before it is served: one the coordinator refuses (another blob under a published
+    version, an empty one) is never served and pushes no older version out of ``peer``. A reader
+    named as the announce lands waits for it in ``WeightPeer.get``."""
     pieces = piece_digests(blob)
     held = Held(version, blob_digest(pieces), len(blob), blob, pieces)
-    peer.hold(held)
     _announce(client, run_id, member_id, peer, held)
+    peer.hold(held)
     return held
 
 
