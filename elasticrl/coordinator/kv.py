@@ -9,12 +9,17 @@ uses the core's state: ``runs``, ``db``, ``replies`` (exactly-once for retried w
 from __future__ import annotations
 
 import asyncio
+import re
 
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.replies import Replies
 from elasticrl.coordinator.signals import Signals
 from elasticrl.coordinator.state import Run
 from elasticrl.errors import CoordinatorTimeoutError, InvalidRequestError, ResourceLimitError
+
+# What add() reads as an integer, as TCPStore's std::stoll does with a whole value (no "1_0",
+# which Python's int() takes).
+_DECIMAL = re.compile(rb"\s*[+-]?[0-9]+")
 
 
 class KeyValueOps:
@@ -115,6 +120,8 @@ class KeyValueOps:
         run = self._kv_writer(run_id, writer)
         current = run.kv.get(key, b"0")
         try:
+            if not _DECIMAL.fullmatch(current):
+                raise ValueError(current)
             value = int(current) + delta
         except ValueError:
             raise InvalidRequestError(

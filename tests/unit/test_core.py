@@ -175,6 +175,14 @@ def test_kv_semantics_match_torch_store(core):
     assert core.kv_add("r", b"c", 5) == 5 and core.kv_add("r", b"c", -2) == 3
     with pytest.raises(InvalidRequestError, match="not a decimal integer"):
         core.kv_add("r", b"k", 1)
+    for odd in (b"1_0", b"", b"7 "):  # int() takes "1_0" and "7 "
+        core.kv_set("r", [(b"odd", odd)])
+        with pytest.raises(InvalidRequestError, match="not a decimal integer"):
+            core.kv_add("r", b"odd", 1)
+    for plain, value in ((b" 7", 8), (b"+3", 4), (b"-0", 1)):  # as TCPStore reads them
+        core.kv_set("r", [(b"odd", plain)])
+        assert core.kv_add("r", b"odd", 1) == value
+    core.kv_delete("r", b"odd")
     assert core.kv_delete("r", b"k") and not core.kv_delete("r", b"k")
     assert core.kv_num_keys("r") == 2  # "new" and "c"
 
