@@ -102,7 +102,7 @@ class Recovery:
         newest_ckpt = all_reduce_int(ckpt.latest_iteration(self.ckpt_dir), dist.ReduceOp.MAX)
         if self.snapshots is not None:
             held = [Held.from_json(h) for h in all_gather_json(self.snapshots.held().to_json())]
-            sid, reason = choose(held)
+            sid, reason = choose(held, self.snapshots.generation)
             if sid is not None and sid.iteration >= newest_ckpt:  # on a tie the snapshot (host memory) wins
                 try:
                     return self._from_snapshot(strategy, sid, held, reason)
@@ -232,7 +232,9 @@ class Recovery:
         if reference is not None:
             chunks.update({f"reference.{k}": Chunk.whole(v.detach(), replicated=True) for k, v in reference.state_dict().items()})
         meta = {**meta, "strategy_state": rest, "reference": reference is not None}
-        return self.snapshots.take(iteration, chunks, meta, metrics)
+        # A strategy that does not say (a test's stand-in) exchanges: always right, only slower.
+        replicated = bool(getattr(strategy, "state_replicated", False))
+        return self.snapshots.take(iteration, chunks, meta, metrics, replicated=replicated)
 
     def write_pending(self) -> None:
         """Where the main thread is about to wait anyway: write the last snapshot to host memory."""

@@ -41,7 +41,7 @@ from elasticrl.errors import ElasticRLError
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.shard_wire import all_ok, from_json_blob, json_blob, pack, swap, unpack
 from elasticrl.train.shards import Chunk, own_part, write_shard
-from elasticrl.train.snapshot_plan import Held, SnapshotId, buddies, inventory, shard_file, stale
+from elasticrl.train.snapshot_plan import Held, SnapshotId, buddies, inventory, shard_file, shards_in, stale
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,10 @@ class Snapshots:
         ring = buddies(nodes) if group is not None else {r: None for r in range(world_size)}
         self.buddy = ring[rank]
         self.senders = sorted(r for r, b in ring.items() if b == rank)
+        # Every shard a snapshot leaves in this node's directory: its ranks' own and the copies
+        # they keep for their senders (the ranks of a node share the directory).
+        mine = {r for r, n in enumerate(self.nodes) if n == self.node}
+        self.node_shards = mine | {r for r, b in ring.items() if b in mine}
         self.group = group
         self.timeout_s = timeout_s
         self._taken: Taken | None = None
@@ -108,11 +112,18 @@ class Snapshots:
 
     # -- one iteration ---------------------------------------------------------------------------
 
-    def take(self, iteration: int, state: dict[str, Chunk], meta: dict[str, Any], metrics: dict[str, Any]) -> float:
+    def take(self, iteration: int, state: dict[str, Chunk], meta: dict[str, Any], metrics: dict[str, Any], *,
+             replicated: bool = False) -> float:
         """Stage this rank's part of ``state`` (a copy the training will not change) with ``meta``
         and the iteration's ``metrics`` (a world resumed from the snapshot reports them if nobody
         did), and exchange copies with the buddies; returns the seconds the exchange took. The
         snapshot before must be written by then (its write's failure is re-raised here).
+
+        ``replicated``: every rank's ``state`` is the same replicated state (the strategy says so,
+        alike on every rank: ddp, ZeRO-3), so the copies are cut from this rank's own and nothing
+        crosses the network. Not decided from ``state``: a ZeRO-1/2 rank whose partition holds no
+        slice of a trained parameter has only replicated chunks, and took that path while its peers
+        waited for it in the exchange.
 
         Raises:
             WireError: the exchange failed (a peer died): the world must re-form. The copies that
@@ -131,7 +142,10 @@ class Snapshots:
             taken.confirmed = True
             return 0.0
         t0 = time.monotonic()
-        if all(c.replicated for c in state.values()):
+        if replicated:
+            if not all(c.replicated for c in state.values()):
+                raise ValueError(f"snapshot {sid.name}: replicated=True, but chunk(s) "
+                                 f"{sorted(n for n, c in state.items() if not c.replicated)[:3]} are sharded")
             # Every rank holds all of it (DDP): the shard a sender would send is cut from this
             # rank's own copy, and no byte crosses the network (the exchange was 4-6 ms of a demo
             # iteration). The JSON part is this rank's with the sender's shard and node; its
@@ -163,10 +177,12 @@ class Snapshots:
         os.makedirs(directory, exist_ok=True)
         for shard, (chunks, doc) in [(self.rank, (taken.own, taken.doc)), *sorted(taken.received.items())]:
             self._write_shard(directory, shard, chunks, doc)
-        # Once every shard of this snapshot is in two nodes' memory (confirmed) and this rank's part
-        # of it on disk, the older ones are no longer needed; an unconfirmed one (written on the
-        # way out after a failed exchange) may lack a lost node's shard, so the previous one stays.
-        if taken.confirmed:
+        # Once every shard of this snapshot is in two nodes' memory (confirmed) and this node's part
+        # of it on disk (the last of its ranks to write sees it: they share the directory), the
+        # older ones are no longer needed; an unconfirmed one (written on the way out after a failed
+        # exchange) may lack a lost node's shard, and a rank of this node that died before it wrote
+        # leaves its shard nowhere else without buddies: then the previous one stays.
+        if taken.confirmed and self.node_shards <= set(shards_in(directory)):
             for name in stale(os.listdir(self.directory), taken.sid):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         log.debug("wrote snapshot %s (shard %d + %d buddy copies) in %.3fs", taken.sid.name, self.rank,

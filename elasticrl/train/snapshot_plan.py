@@ -138,8 +138,15 @@ class Held:
         return {"node": self.node, "snapshots": {n: {str(r): s for r, s in shards.items()} for n, shards in self.snapshots.items()}}
 
 
-def choose(held: list[Held]) -> tuple[SnapshotId | None, str]:
-    """The newest snapshot every shard of which some rank's node holds (own or buddy copy), and why."""
+def choose(held: list[Held], generation: int | None = None) -> tuple[SnapshotId | None, str]:
+    """The newest snapshot every shard of which some rank's node holds (own or buddy copy), and why.
+
+    A complete snapshot of a later generation supersedes every snapshot of an earlier one: that
+    world went on from an older state (none was complete when it formed, so it fell back to a
+    checkpoint), and an earlier world's later iteration, completed by a cut-off node that came
+    back, belongs to the timeline it abandoned. Generations only grow (a run's counter in the
+    coordinator's KV); when this world's ``generation`` does not exceed one found, the counter
+    started over (a memory-only coordinator restarted), and the iteration alone orders."""
     found: dict[SnapshotId, set[int]] = {}
     for h in held:
         for name, shards in h.snapshots.items():
@@ -149,6 +156,10 @@ def choose(held: list[Held]) -> tuple[SnapshotId | None, str]:
     if not found:
         return None, "no node holds a snapshot"
     complete = [sid for sid, shards in found.items() if shards >= set(range(sid.world_size))]
+    if complete and (generation is None or generation > max(sid.generation for sid in found)):
+        latest = max(sid.generation for sid in complete)
+        found = {sid: shards for sid, shards in found.items() if sid.generation >= latest}
+        complete = [sid for sid in complete if sid.generation >= latest]
     newest = max(found)
     if not complete:
         missing = sorted(set(range(newest.world_size)) - found[newest])
@@ -202,5 +213,10 @@ def fetch_plan(sid: SnapshotId, held: list[Held]) -> list[Transfer]:
 
 
 def stale(names: list[str], newest: SnapshotId) -> list[str]:
-    """The snapshot directories older than ``newest`` (pruned once ``newest`` is written)."""
-    return [n for n in names if (sid := SnapshotId.parse(n)) is not None and sid < newest]
+    """The snapshot directories older than ``newest`` (pruned once ``newest`` is written): of an
+    earlier iteration, or of an earlier generation whatever its iteration. A world that fell back
+    to an older checkpoint (no snapshot was complete) goes on from there: an earlier world's
+    snapshot of a later iteration is of an abandoned timeline, and would otherwise outrank every
+    snapshot of this one (a cut-off node that comes back could complete it)."""
+    return [n for n in names if (sid := SnapshotId.parse(n)) is not None and sid != newest
+            and (sid < newest or sid.generation < newest.generation)]

@@ -101,6 +101,9 @@ class TrainStrategy(Protocol):
     """
 
     config: StrategyConfig
+    state_replicated: bool
+    """``sharded_state`` gives every rank the same replicated state (ddp; ZeRO-3, which gathers
+    it): a snapshot's buddy copies are then cut locally. The same on every rank, whatever its share."""
 
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
         """Move ``model`` to this rank's device, apply gradient checkpointing, shard or replicate

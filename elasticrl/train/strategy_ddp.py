@@ -40,6 +40,8 @@ _NO_FORWARD_BUFFER_SYNC = (
 
 
 class DDPStrategy:
+    state_replicated = True  # every rank holds the whole state
+
     def __init__(self, config: StrategyConfig):
         self.config = config
         self.optimizer: torch.optim.Optimizer | None = None

@@ -280,6 +280,10 @@ class DeepSpeedStrategy:
         holds none of it."""
         return getattr(param, "_hp_mapping", None)
 
+    @property
+    def state_replicated(self) -> bool:
+        return self.config.zero_stage == 3  # gathered whole; ZeRO-1/2: each rank its partition's slices
+
     def sharded_state(self):
         """ZeRO-1/2: for every trainable parameter, the slice of it (flattened) that this rank's
         partition holds, fp32 master weight and optimizer state alike, as a chunk at its offset in

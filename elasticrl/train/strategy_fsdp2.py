@@ -132,6 +132,8 @@ class FSDP2Strategy:
 
     # -- snapshots: DTensor shards as they are ----------------------------------------------------
 
+    state_replicated = False  # DTensor shards
+
     def sharded_state(self):
         from elasticrl.train.shards import Chunk
 

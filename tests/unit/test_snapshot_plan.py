@@ -65,6 +65,17 @@ def test_an_earlier_attempt_at_an_iteration_never_mixes_with_a_later_one():
     assert choose(survivors)[0] == redo
 
 
+def test_a_later_generation_that_went_on_from_an_older_state_supersedes_an_earlier_timeline():
+    old, new = SnapshotId(4, 1, 2), SnapshotId(3, 2, 1)  # g2 fell back to a checkpoint of 2, then did 3
+    back = [held("a", **{new.name: [0]}), held("b", **{old.name: [0, 1]})]  # b, cut off, comes back
+    assert choose(back, generation=3)[0] == new
+    # A generation counter that started over (a memory-only coordinator restarted): iteration orders.
+    restarted = [held("a", **{SnapshotId(10, 5, 1).name: [0], SnapshotId(11, 1, 1).name: [0]})]
+    assert choose(restarted, generation=2)[0] == SnapshotId(11, 1, 1)
+    assert stale([SnapshotId(10, 5, 1).name, old.name], SnapshotId(11, 1, 1)) == [SnapshotId(10, 5, 1).name, old.name]
+    assert stale([old.name, SnapshotId(5, 2, 1).name], new) == [old.name]  # earlier generation, later iteration
+
+
 def test_every_node_gets_the_shards_it_lacks_from_the_least_busy_holder():
     survivors = [held("a", **{S3.name: [0, 2]}), held("a", **{S3.name: [0, 2]}), held("b", **{S3.name: [1, 0]})]
     plan = fetch_plan(S3, survivors)
