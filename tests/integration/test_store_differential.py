@@ -32,7 +32,7 @@ from torch.distributed.elastic.utils import store as store_util
 from elasticrl.coordinator.client import CoordinatorClient
 from elasticrl.errors import InvalidRequestError
 from elasticrl.rendezvous.store import CoordinatorStore
-from tests.conftest import CoordinatorProcess
+from tests.integration.test_store_contract import shared_client, shared_coordinator  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -62,19 +62,6 @@ def full_keys():
 # -- the two stores ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def coordinator(tmp_path_factory):
-    proc = CoordinatorProcess(tmp_path_factory.mktemp("store-diff")).start()
-    yield proc
-    proc.kill()
-
-
-@pytest.fixture(scope="module")
-def client(coordinator):
-    with CoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=10) as c:
-        yield c
-
-
 class Side:
     """One store under test: a root store (a client of a shared server) and PrefixStore views."""
 
@@ -100,7 +87,7 @@ class Side:
 
 
 @pytest.fixture
-def sides(client, coordinator):
+def sides(shared_client, shared_coordinator):  # noqa: F811 - fixtures
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=td(seconds=LONG_S), wait_for_workers=False)
     run = f"diff-{uuid.uuid4().hex[:12]}"
     extra: list[CoordinatorClient] = []
@@ -109,11 +96,11 @@ def sides(client, coordinator):
         return dist.TCPStore("127.0.0.1", server.port, None, False, timeout=td(seconds=timeout_s))
 
     def coord_client(timeout_s):
-        return CoordinatorStore(client, run, "d/", timeout_s=timeout_s)
+        return CoordinatorStore(shared_client, run, "d/", timeout_s=timeout_s)
 
     def coord_other_client(timeout_s):
         # Another process's client: its own gRPC channel.
-        c = CoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=10)
+        c = CoordinatorClient(shared_coordinator.address, call_timeout_s=5, reconnect_timeout_s=10)
         extra.append(c)
         return CoordinatorStore(c, run, "d/", timeout_s=timeout_s)
 
@@ -470,7 +457,7 @@ def test_concurrent_compare_set_append_and_agent_barrier(sides):
 
 
 @pytest.mark.timeout(60)
-def test_documented_differences(sides, client):
+def test_documented_differences(sides, shared_client):  # noqa: F811 - a fixture
     """Each store's own behaviour where they differ on purpose; none is something torch uses."""
     tcp, coord = sides
     # 1. add() to a non-integer value: see known_add_difference.
@@ -496,7 +483,7 @@ def test_documented_differences(sides, client):
     # reaches only with an empty prefix (torchrun's stores are prefixed, PrefixStore adds "/").
     tcp.root.set("", "v")
     assert tcp.root.get("") == b"v"
-    bare = CoordinatorStore(client, f"diff-{uuid.uuid4().hex[:8]}", "", timeout_s=1)
+    bare = CoordinatorStore(shared_client, f"diff-{uuid.uuid4().hex[:8]}", "", timeout_s=1)
     with pytest.raises(InvalidRequestError, match="must not be empty"):
         bare.set("", "v")
     coord.root.set("", "v")  # the "d/" prefix makes it the key "d/"

@@ -36,12 +36,16 @@ class Harness:
         clock: Clock | None = None,
         lease_ttl_s: float = 30.0,
         state_dir: pathlib.Path | None = None,
+        keep_iterations: int | None = None,
     ) -> None:
+        """``keep_iterations`` (``--keep-iterations``) is given to the scheduler, so that it applies
+        from the start-up on, as a restarted coordinator's does (setting it afterwards misses that)."""
         self.clock = clock or Clock()
         db = StateDB(None if state_dir is None else state_dir / "state.db")
         self.coord = CoordinatorCore(db, lease_ttl_s=lease_ttl_s, clock=self.clock)
         self.store = TrajectoryStore(None if state_dir is None else state_dir / "trajectories")
-        self.sched = SchedulerCore(self.coord, self.store, wall_clock=self.clock.wall)
+        keep = {} if keep_iterations is None else {"keep_iterations": keep_iterations}
+        self.sched = SchedulerCore(self.coord, self.store, wall_clock=self.clock.wall, **keep)
         self.incarnations: dict[str, int] = {}
 
     def join(self, member_id: str) -> int:
@@ -160,24 +164,3 @@ def expect_commit(its: dict, items: list[Item], *, accepted) -> tuple[list[Item]
             else:
                 stored.append(item)
     return stored, late
-
-
-class KeepingHarness(Harness):
-    """A ``Harness`` whose scheduler is built with ``keep_iterations`` (``--keep-iterations``), so
-    that it applies from the start-up on, as a restarted coordinator's does (a value smaller than
-    the last process's drops the excess at once); setting the attribute afterwards misses that."""
-
-    def __init__(
-        self,
-        *,
-        keep_iterations: int,
-        clock: Clock | None = None,
-        lease_ttl_s: float = 30.0,
-        state_dir: pathlib.Path | None = None,
-    ) -> None:
-        self.clock = clock or Clock()
-        db = StateDB(None if state_dir is None else state_dir / "state.db")
-        self.coord = CoordinatorCore(db, lease_ttl_s=lease_ttl_s, clock=self.clock)
-        self.store = TrajectoryStore(None if state_dir is None else state_dir / "trajectories")
-        self.sched = SchedulerCore(self.coord, self.store, wall_clock=self.clock.wall, keep_iterations=keep_iterations)
-        self.incarnations: dict[str, int] = {}

@@ -2,7 +2,7 @@
 (every task done, every task done or given up, or the deadline with ``min_fraction`` done),
 fetched, dropped by retention (``--keep-iterations``), across coordinator restarts.
 
-Random operations on a durable ``KeepingHarness`` (a real CoordinatorCore + SchedulerCore on an
+Random operations on a durable ``Harness`` (a real CoordinatorCore + SchedulerCore on an
 injected clock, SQLite and shard files under ``tmp_path``, no event loop but for the trainer's
 ``wait_sealed``, no sleeps): iterations submitted (train and eval tasks, deadlines with
 ``min_fraction`` 0, 0.5 or 1, static or dynamic, backup copies, 1-3 failures allowed per task),
@@ -62,7 +62,6 @@ from tests.unit.scheduler_harness import (
     Clock,
     Harness,
     Item,
-    KeepingHarness,
     assigned,
     cancelled,
     drain,
@@ -134,7 +133,7 @@ class Sim:
         self.path = path
         self.rng = random.Random(seed)
         self.keep = self.rng.choice((2, 3, 4))
-        self.h = KeepingHarness(keep_iterations=self.keep, clock=Clock(now=1000.0), lease_ttl_s=LEASE_TTL_S, state_dir=path)
+        self.h = Harness(keep_iterations=self.keep, clock=Clock(now=1000.0), lease_ttl_s=LEASE_TTL_S, state_dir=path)
         self.subs: dict[int, Sub] = {}  # the newest submit of each number
         self.ever: set[int] = set()  # every number submitted
         self.conns: dict[str, WorkerConn | None] = {}
@@ -452,7 +451,7 @@ class Sim:
         now = self.rng.choice((5.0, 1000.0, 1e6))
         gap = self.rng.choice((0.5, 3.0, 20.0))
         self.note(f"RESTART keep={self.keep} gap={gap}")
-        self.h = KeepingHarness(keep_iterations=self.keep, clock=Clock(now=now, wall_offset=old.clock.wall() + gap - now),
+        self.h = Harness(keep_iterations=self.keep, clock=Clock(now=now, wall_offset=old.clock.wall() + gap - now),
                                 lease_ttl_s=LEASE_TTL_S, state_dir=self.path)
         self.h.incarnations = dict(old.incarnations)
         self.stats["restarts"] += 1
@@ -673,7 +672,7 @@ def test_a_seal_in_a_batch_does_not_hand_its_worker_a_task_whose_result_the_same
 
 
 def test_an_iteration_submitted_again_after_its_drop_can_be_fetched_once_sealed(tmp_path):
-    h = KeepingHarness(keep_iterations=2, state_dir=tmp_path)
+    h = Harness(keep_iterations=2, state_dir=tmp_path)
     w = h.worker("w", slots=2)
 
     def roll_out(n: int) -> None:
@@ -691,7 +690,7 @@ def test_an_iteration_submitted_again_after_its_drop_can_be_fetched_once_sealed(
 
 
 def test_a_dropped_iteration_is_still_reported_as_dropped_after_a_restart(tmp_path):
-    h = KeepingHarness(keep_iterations=2, state_dir=tmp_path)
+    h = Harness(keep_iterations=2, state_dir=tmp_path)
     w = h.worker("w", slots=2)
     for n in (1, 2, 3):
         h.sched.submit(RUN, n, specs(2), IterationConfig())
@@ -701,6 +700,6 @@ def test_a_dropped_iteration_is_still_reported_as_dropped_after_a_restart(tmp_pa
         h.sched.shard(RUN, 1, 0, 1, Split.TRAIN)
     h.store.settle()
     h.coord.db.close()  # as a stopped process does
-    again = KeepingHarness(keep_iterations=2, state_dir=tmp_path, clock=h.clock)
+    again = Harness(keep_iterations=2, state_dir=tmp_path, clock=h.clock)
     with pytest.raises(NotFoundError, match="--keep-iterations"):
         again.sched.shard(RUN, 1, 0, 1, Split.TRAIN)
