@@ -1,7 +1,7 @@
 """User datasets: read local data files into validated rows, split off eval rows, and stream them.
 
-``load_rows`` reads a local ``.jsonl``/``.json``/``.parquet`` file or a ``save_to_disk``
-directory through Hugging Face ``datasets`` (local files only, never the hub), checks every row
+``load_rows`` reads a local ``.jsonl``/``.json`` file with ``json``, or a ``.parquet`` file or a
+``save_to_disk`` directory through Hugging Face ``datasets`` (local files only, never the hub), checks every row
 for the prompt (or chat messages) a task needs, and returns plain JSON-able dicts small enough to
 travel to rollout engines. ``split_eval`` carves off a seeded held-out set; ``RowStream`` hands
 rows out in a per-epoch shuffled order addressed by a global position, so a run resumed at
@@ -62,8 +62,9 @@ def load_rows(
 
     Returns:
         The rows in file order as plain dicts (all columns kept; values are Python JSON types).
-        Columns are unified across rows by Arrow: a key absent from some rows reads as ``None``
-        there, and a column mixing ints and floats reads as floats.
+        A key absent from some rows reads as ``None`` there. A JSON file's values are exactly as
+        written (read with ``json``); a parquet file or a ``save_to_disk`` directory has Arrow's
+        typed columns.
 
     Raises:
         DatasetError: bad arguments, a missing/unreadable/empty file, or a row that fails
@@ -222,21 +223,24 @@ def _read_rows(path: str | os.PathLike[str], where: str) -> tuple[list[Row], lis
             f"{where}: unknown data file type {suffix or '(no extension)'!r}; use a .jsonl, .json or .parquet "
             f"file or a directory written by datasets' save_to_disk"
         )
-    if suffix in JSON_SUFFIXES and not resolved.is_dir() and _is_blank(resolved):
-        raise DatasetError(f"{where}: the file is empty; it needs at least one row")
+    if suffix in JSON_SUFFIXES and not resolved.is_dir():
+        rows = _read_json(resolved, where)
+        if not rows:
+            raise DatasetError(f"{where}: the file is empty; it needs at least one row")
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        return [{key: row.get(key) for key in columns} for row in rows], columns
     datasets = _import_datasets()
     with _quiet(datasets):
         if resolved.is_dir():
             dataset = _read_directory(datasets, resolved, where)
         else:
-            dataset = _read_file(datasets, resolved, suffix, where)
+            dataset = _read_parquet(datasets, resolved, where)
     if len(dataset) == 0:
         raise DatasetError(f"{where}: the dataset has no rows; it needs at least one")
     try:
         return dataset.to_list(), list(dataset.column_names)
     except Exception as e:  # pyarrow decodes strings only here: bad UTF-8 surfaces now
-        located = _locate_json_problem(resolved) if resolved.is_file() and suffix in JSON_SUFFIXES else ""
-        raise DatasetError(f"{where}: {located or f'could not convert the rows: {_root_cause(e)}'}") from e
+        raise DatasetError(f"{where}: could not convert the rows: {_root_cause(e)}") from e
 
 
 def _read_directory(datasets: Any, resolved: pathlib.Path, where: str) -> Any:
@@ -263,48 +267,16 @@ def _read_directory(datasets: Any, resolved: pathlib.Path, where: str) -> Any:
     return loaded
 
 
-def _read_file(datasets: Any, resolved: pathlib.Path, suffix: str, where: str) -> Any:
-    builder = "json" if suffix in JSON_SUFFIXES else "parquet"
+def _read_parquet(datasets: Any, resolved: pathlib.Path, where: str) -> Any:
     # The build cache goes to a private temp dir, never next to the user's data, and is removed
     # with it; keep_in_memory keeps the rows themselves out of any cache file.
     with tempfile.TemporaryDirectory(prefix="elasticrl-datasets-") as cache_dir:
-
-        def load(data_file: pathlib.Path) -> Any:
-            return datasets.load_dataset(
-                builder, data_files=str(data_file), split="train", keep_in_memory=True, cache_dir=cache_dir
-            )
-
         try:
-            return load(resolved)
+            return datasets.load_dataset(
+                "parquet", data_files=str(resolved), split="train", keep_in_memory=True, cache_dir=cache_dir
+            )
         except Exception as e:
-            if builder == "parquet":
-                raise DatasetError(f"{where}: not a readable parquet file: {_root_cause(e)}") from e
-            located = _locate_json_problem(resolved)
-            if located:
-                raise DatasetError(f"{where}: {located}") from e
-            # datasets 5.x fails on valid JSON lines when a column mixes types and the file has a
-            # blank line (a trailing one included); the same records without blank lines read fine.
-            compact = pathlib.Path(cache_dir) / f"rows{suffix}"
-            if _copy_without_blank_lines(resolved, compact):
-                with contextlib.suppress(Exception):
-                    return load(compact)
-            raise DatasetError(f"{where}: could not read the JSON file: {_root_cause(e)}") from e
-
-
-def _copy_without_blank_lines(src: pathlib.Path, dst: pathlib.Path) -> bool:
-    """Copy a JSON-lines file minus its blank lines; False (and no copy) if it has none."""
-    with src.open("rb") as f:
-        lines = f.readlines()
-    kept = [line for line in lines if line.strip()]
-    if len(kept) == len(lines) or kept[0].lstrip().startswith(b"["):
-        return False
-    dst.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept))
-    return True
-
-
-def _is_blank(path: pathlib.Path) -> bool:
-    with path.open("rb") as f:
-        return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
+            raise DatasetError(f"{where}: not a readable parquet file: {_root_cause(e)}") from e
 
 
 def _root_cause(error: BaseException) -> str:
@@ -314,33 +286,85 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _locate_json_problem(path: pathlib.Path) -> str:
-    """Describe the first thing wrong with a JSON / JSON-lines file, or ``""`` if nothing is found.
+class _DuplicateKey(ValueError):
+    pass
 
-    pyarrow's JSON reader does not say which line failed, so the file is re-scanned with ``json``.
-    """
-    with path.open("rb") as f:
-        head = f.read(1 << 16).lstrip()
-    if head.startswith(b"["):
+
+class _NotJson(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> None:
+    raise _NotJson(f"{name} is not a JSON value (Python's json reads it; nothing else does)")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """A string in ``value`` that is not valid Unicode (a lone ``\\ud800`` escape), if any."""
+    if isinstance(value, str):
         try:
-            value = json.loads(path.read_bytes())
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((bad for item in items if (bad := _lone_surrogate(item)) is not None), None)
+
+
+def _read_json(path: pathlib.Path, where: str) -> list[Row]:
+    """The objects of a JSON-lines file, or of a file holding one JSON array, read with ``json``:
+    values exactly as written (datasets' reader built its columns from the first 10 MB, so a key
+    first seen later failed the file; it decoded strings that look like JSON in a mixed column,
+    rounded an array file's floats to 10 digits, made big integers floats, read a ``null`` line
+    as a row of nulls, and named the row of a parse error within its own chunk). Errors name the
+    1-based line (of a JSON-lines file) or the 0-based element (of an array)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DatasetError(f"{where}: cannot read the file: {e}") from e
+    if data.lstrip()[:1] == b"[":
+        try:
+            value = json.loads(data, object_pairs_hook=_object, parse_constant=_no_constant)
+        except _DuplicateKey as e:
+            raise DatasetError(f"{where}: invalid JSON array: an object repeats the key {e.args[0]!r}") from None
+        except _NotJson as e:
+            raise DatasetError(f"{where}: invalid JSON array: {e}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return f"invalid JSON array: {_decode_error(e)}"
-        for index, item in enumerate(value):
-            if not isinstance(item, dict):
-                return f"element {index} (0-based) of the JSON array is a {_json_type(item)}, not an object"
-        return ""
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
+            raise DatasetError(f"{where}: invalid JSON array: {_decode_error(e)}") from e
+        records = [(f"element {i} (0-based) of the JSON array", item) for i, item in enumerate(value)]
+        what = "is a {}, not an object"
+    else:
+        records = []
+        for lineno, line in enumerate(data.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                value = json.loads(line)
+                records.append((f"line {lineno}", json.loads(line.decode("utf-8"), object_pairs_hook=_object,
+                                                             parse_constant=_no_constant)))
+            except _DuplicateKey as e:
+                raise DatasetError(f"{where}: line {lineno}: the object repeats the key {e.args[0]!r}") from None
+            except _NotJson as e:
+                raise DatasetError(f"{where}: line {lineno}: invalid JSON: {e}") from None
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                return f"line {lineno}: invalid JSON: {_decode_error(e, in_line=True)}; each line must be one JSON object"
-            if not isinstance(value, dict):
-                return f"line {lineno} holds a JSON {_json_type(value)}, not an object; each line must be one object"
-    return ""
+                raise DatasetError(f"{where}: line {lineno}: invalid JSON: {_decode_error(e, in_line=True)}; "
+                                   "each line must be one JSON object") from e
+        what = "holds a JSON {}, not an object; each line must be one object"
+    rows = []
+    for at, record in records:
+        if not isinstance(record, dict):
+            raise DatasetError(f"{where}: {at} {what.format(_json_type(record))}")
+        bad = _lone_surrogate(record)
+        if bad is not None:
+            raise DatasetError(f"{where}: {at}: the string {bad[:40]!r} is not valid Unicode (a lone surrogate escape)")
+        rows.append(record)
+    return rows
 
 
 def _decode_error(error: ValueError, *, in_line: bool = False) -> str:

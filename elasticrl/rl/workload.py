@@ -116,6 +116,10 @@ class DatasetRows:
         self.base_position = 0
 
     def _start(self, iteration: int) -> int:
+        if iteration <= self.base_iteration:
+            # Before the resume point, and no resume since: the world started over (a re-form in
+            # place that found no checkpoint reuses this object), so it counts from row 0 again.
+            return (iteration - 1) * self.per_iteration
         return self.base_position + (iteration - 1 - self.base_iteration) * self.per_iteration
 
     def train_rows(self, iteration: int, count: int) -> list[dict[str, Any]]:

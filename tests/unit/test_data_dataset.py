@@ -235,7 +235,9 @@ def test_datasets_missing_says_how_to_install(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    path = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    assert load_rows(write_jsonl(tmp_path / "train.jsonl", ROWS), prompt_key="prompt") == ROWS  # json: no datasets
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"PAR1")  # only the import is reached
     raises(["pip install", "elasticrl[data]"], load_rows, path, prompt_key="prompt")
 
 
@@ -386,5 +388,11 @@ def test_row_stream_rejects_bad_arguments():
 def test_offline_switches_are_set(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    load_rows(write_jsonl(tmp_path / "train.jsonl", ROWS), prompt_key="prompt")
+    import datasets
+
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(path))
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    load_rows(path, prompt_key="prompt")  # through datasets (a JSON file is read without it)
     assert os.environ["HF_DATASETS_OFFLINE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "1"
