@@ -144,8 +144,10 @@ class RolloutWorker:
         self._pending: list[tuple[int, GroupRecord]] = []
         self._pending_bytes = 0
         self._flush_timer: asyncio.TimerHandle | None = None
-        # Result batches sent and not acknowledged yet, serialized WorkRequests (framing.py), oldest first.
+        # Result batches sent and not acknowledged yet, serialized WorkRequests (framing.py), oldest first,
+        # and the (iteration, task id) keys each holds.
         self.unacked: collections.deque[bytes] = collections.deque()
+        self._unacked_keys: collections.deque[list[tuple[int, str]]] = collections.deque()
         self._outbox: asyncio.Queue | None = None
         self._stopping = False
         self._acked = asyncio.Event()
@@ -175,7 +177,10 @@ class RolloutWorker:
             if failed is None and self.fenced is None:
                 # Leave while the stream is still open: the coordinator takes a Work stream's end
                 # for a crash (a half-close and a killed process's reset look alike to it), but
-                # not once the member has left.
+                # not once the member has left. Keep-alives stop first: one answered after the
+                # leave reads as fenced ("left"), and a clean stop raised it.
+                lease.cancel()
+                await asyncio.gather(lease, return_exceptions=True)
                 try:
                     await client.leave(self.run_id, self.member_id, self.incarnation, "worker stopped")
                 except ElasticRLError as exc:
@@ -313,6 +318,7 @@ class RolloutWorker:
         """The oldest unacknowledged batch is stored (acks come in batch order)."""
         if self.unacked:
             self.unacked.popleft()
+            self._unacked_keys.popleft()
         self.stats.accepted += ack.accepted
         for r in ack.refused:
             self.stats.refused[r.reason.split(":")[0]] += 1
@@ -320,12 +326,22 @@ class RolloutWorker:
 
     # -- tasks and results ---------------------------------------------------------------------
 
+    def _has(self, key: tuple[int, str]) -> bool:
+        """This worker runs ``key``, or holds its result (not sent yet, or not acknowledged)."""
+        return (key in self._running or any(key == (i, g.task_id) for i, g in self._pending)
+                or any(key in keys for keys in self._unacked_keys))
+
     def _start(self, executor, messages: list[spb.TaskAssignment]) -> None:
         items = []
         for a in messages:
             spec = task_from_pb("assign.task", a.task)
             if self._stopping:
                 self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=a.iteration, task_ids=[spec.task_id], reason=RELEASE_STOPPING)))
+                continue
+            if self._has((a.iteration, spec.task_id)):
+                # Handed out again on a new stream: the coordinator dispatched it on the hello,
+                # before it read the re-sent batch with its result, or while this copy still runs.
+                # The copy here answers it; a second run went past the slots and was refused.
                 continue
             assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
             self._running[(a.iteration, spec.task_id)] = assignment
@@ -397,8 +413,9 @@ class RolloutWorker:
         request = framing.result_batch_request(self._pending, uuid.uuid4().hex)
         self.stats.batches_sent += 1
         self.stats.bytes_sent += self._pending_bytes
-        self._pending, self._pending_bytes = [], 0
         self.unacked.append(request)
+        self._unacked_keys.append([(iteration, group.task_id) for iteration, group in self._pending])
+        self._pending, self._pending_bytes = [], 0
         if self._outbox is not None:
             self._outbox.put_nowait(request)
 
