@@ -164,3 +164,18 @@ def expect_commit(its: dict, items: list[Item], *, accepted) -> tuple[list[Item]
             else:
                 stored.append(item)
     return stored, late
+
+
+def check_counts(it, n: int, nodes_done, nodes_tokens, node_refused, refused, ctx, where: str) -> None:
+    """Iteration ``n``'s per-node done/tokens/refused and its refused counters against what the
+    acks said (``node_refused[(n, member)]``, ``refused[(n, reason)]``); ``ctx(msg)`` words a failure."""
+    for m in set(it.nodes) | set(nodes_done):
+        s = it.nodes.get(m)
+        got = (s.done, s.tokens, s.refused) if s else (0, 0, 0)
+        assert got == (nodes_done[m], nodes_tokens[m], node_refused[(n, m)]), ctx(
+            f"{where}: node {m} done/tokens/refused {got}, acknowledged "
+            f"{(nodes_done[m], nodes_tokens[m], node_refused[(n, m)])}")
+    c = it.counters
+    got = (c.refused_duplicate, c.refused_fenced, c.refused_sealed)
+    want = tuple(refused[(n, r)] for r in ("duplicate", "fenced", "sealed"))
+    assert got == want, ctx(f"{where}: refused counters {got}, acknowledged {want}")

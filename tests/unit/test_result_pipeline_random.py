@@ -66,7 +66,7 @@ from elasticrl.scheduler import results
 from elasticrl.scheduler.results import ResultPipeline
 from elasticrl.scheduler.state import IterationConfig, TaskStatus
 from elasticrl.scheduler.stream import Ack, Decided, End, WorkerConn
-from tests.unit.scheduler_harness import RUN, Harness, Item, drain, expect_commit, expect_decision, group, spec
+from tests.unit.scheduler_harness import RUN, Harness, Item, check_counts, drain, expect_commit, expect_decision, group, spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -885,16 +885,7 @@ class Sim:
                 nodes_done[by] += 1
                 nodes_tokens[by] += 2 * item.tokens
                 assert it.tasks[t].done_by == by, self.ctx(f"{where}: {t} done by {it.tasks[t].done_by}, acknowledged to {by}")
-            for m in set(it.nodes) | set(nodes_done):
-                s = it.nodes.get(m)
-                got = (s.done, s.tokens, s.refused) if s else (0, 0, 0)
-                assert got == (nodes_done[m], nodes_tokens[m], self.node_refused[(n, m)]), self.ctx(
-                    f"{where}: node {m} done/tokens/refused {got}, acknowledged "
-                    f"{(nodes_done[m], nodes_tokens[m], self.node_refused[(n, m)])}")
-            c = it.counters
-            got = (c.refused_duplicate, c.refused_fenced, c.refused_sealed)
-            want = tuple(self.refused[(n, r)] for r in ("duplicate", "fenced", "sealed"))
-            assert got == want, self.ctx(f"{where}: refused counters {got}, acknowledged {want}")
+            check_counts(it, n, nodes_done, nodes_tokens, self.node_refused, self.refused, self.ctx, where)
             for t, x in it.tasks.items():
                 assert x.storing == ((n, t) in self.storing), self.ctx(f"{where}: {t} storing={x.storing}")
             if it.sealed:

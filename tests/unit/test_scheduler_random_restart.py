@@ -47,7 +47,7 @@ from elasticrl.scheduler.state import (
     Split,
     TaskStatus,
 )
-from tests.unit.scheduler_harness import RUN, Clock, Harness, Item, drain, expect_commit, expect_decision, spec
+from tests.unit.scheduler_harness import RUN, Clock, Harness, Item, check_counts, drain, expect_commit, expect_decision, spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -629,16 +629,7 @@ class Sim:
                 assert len(stored) == 1 and list(stored[0].samples) == want and stored[0].node == by, self.ctx(
                     f"{where}: task {t}: shard {shard} holds {stored}, not the group accepted ({item})")
             assert set(it.shard_of) == set(v.done), self.ctx(f"{where}: shard_of {sorted(it.shard_of)} vs done {sorted(v.done)}")
-            for m in set(it.nodes) | set(nodes_done):
-                s = it.nodes.get(m)
-                got = (s.done, s.tokens, s.refused) if s else (0, 0, 0)
-                assert got == (nodes_done[m], nodes_tokens[m], self.node_refused[(n, m)]), self.ctx(
-                    f"{where}: node {m} done/tokens/refused {got}, acknowledged "
-                    f"{(nodes_done[m], nodes_tokens[m], self.node_refused[(n, m)])}")
-            c = it.counters
-            got = (c.refused_duplicate, c.refused_fenced, c.refused_sealed)
-            want_refused = tuple(self.refused[(n, r)] for r in ("duplicate", "fenced", "sealed"))
-            assert got == want_refused, self.ctx(f"{where}: refused counters {got}, acknowledged {want_refused}")
+            check_counts(it, n, nodes_done, nodes_tokens, self.node_refused, self.refused, self.ctx, where)
             for t, x in it.tasks.items():
                 assert x.storing == ((n, t) in storing), self.ctx(f"{where}: task {t} storing={x.storing}")
             if it.sealed:
