@@ -65,7 +65,8 @@ def test_a_paused_member_keeps_its_stream_and_is_left_to_its_lease(coordinator_f
 
 
 class Proxy:
-    """A TCP proxy that can reset every connection through it at once (a network blip)."""
+    """A TCP proxy that can reset every connection through it at once (a network blip). While the
+    target is down, a new connection is accepted and closed at once (the client retries)."""
 
     def __init__(self, target: tuple[str, int]):
         self.target = target
@@ -73,7 +74,7 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.conns: list[socket.socket] = []
         self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
 
     def _accept(self) -> None:
         while True:
@@ -81,7 +82,12 @@ class Proxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
             with self.lock:
                 self.conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):

@@ -33,8 +33,6 @@ import math
 import os
 import random
 import signal
-import socket
-import struct
 import threading
 import time
 import zlib
@@ -47,6 +45,7 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import GroupRecord, SampleRecord, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
 from tests.conftest import wait_until
+from tests.integration.test_stream_liveness import Proxy
 
 pytestmark = [pytest.mark.integration]
 
@@ -54,63 +53,6 @@ RUN = "wrand"
 SEEDS = [int(s) for s in os.environ.get("WORKER_RANDOM_SEEDS", "1,2,3,4,5,6").split(",")]  # more: set it
 HARD_TIMEOUT_S = 25.0  # any one wait: a seal, a worker's stop, an outbox drain
 ALLOWED_REFUSALS = {"duplicate", "sealed"}  # nobody is fenced, nothing is malformed or unknown
-
-
-# -- a TCP proxy per worker: its connections can be reset at once (a cut stream) ------------------
-
-
-class Proxy:
-    """Forwards to the coordinator's port. ``cut`` resets every connection through it; while the
-    coordinator is down, a new connection is accepted and closed at once (the client retries)."""
-
-    def __init__(self, port: int):
-        self.target = ("127.0.0.1", port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=2)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> int:
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for s in conns:
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        self.cuts += 1
-        return len(conns)
-
-    def close(self) -> None:
-        self.listener.close()
-        self.cut()
 
 
 # -- the fake engine ------------------------------------------------------------------------------
@@ -340,7 +282,7 @@ class Cluster:
         member = member or next(self.names)
         slots = self.rng.choice([1, 1, 2, 3])
         engine = Engine(self.book, member, slots, self.rng.choice([0.5, 1.0, 1.0, 2.0]))
-        proxy = Proxy(self.coordinator.port)
+        proxy = Proxy(("127.0.0.1", self.coordinator.port))  # its reset_all() cuts the worker's stream
         batched = self.rng.random() < 0.3
         worker = TrackedWorker(
             f"127.0.0.1:{proxy.port}", RUN, member,
@@ -445,7 +387,7 @@ def chaos(cluster: Cluster, rng: random.Random, stop: threading.Event, events: l
                 events.append("restart")
             elif roll < 0.6 and live:
                 h = rng.choice(live)
-                events.append(f"cut {h.member} ({h.proxy.cut()} conns)")
+                events.append(f"cut {h.member} ({h.proxy.reset_all()} conns)")
             elif roll < 0.8 and len(live) > 1:
                 h = rng.choice(live)
                 cluster.stop(h)
