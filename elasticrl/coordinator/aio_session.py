@@ -33,13 +33,10 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.state import BarrierResult
-from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
+from elasticrl.coordinator.wire import CLOSE_WAIT_S, DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableError, InternalError
 
 log = logging.getLogger(__name__)
-
-CLOSE_WAIT_S = 0.5
-"""How long ``close`` lets the coordinator end the stream after the ``close`` message."""
 
 
 def worth_reopening(err: grpc.RpcError) -> bool:

@@ -29,7 +29,7 @@ from elasticrl.coordinator.member_stream import MemberStream
 from elasticrl.coordinator.session_relay import ENV as RELAY_ENV
 from elasticrl.coordinator.session_relay import FOR_ENV as RELAY_FOR_ENV
 from elasticrl.coordinator.state import DEFAULT_REJOIN_TIMEOUT_S, BarrierResult, RoundResult
-from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
+from elasticrl.coordinator.wire import CLOSE_WAIT_S, DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
 from elasticrl.errors import (
     CoordinatorTimeoutError,
     CoordinatorUnavailableError,
@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 
 CHECKED_WAIT_CHUNK_S = 0.5
 """How often a barrier wait with a ``check`` runs it, seconds (one re-arrival per chunk)."""
-
-STOP_GRACE_S = 0.5
-"""How long ``Membership.stop`` lets the coordinator end the member's stream before cancelling it."""
 
 TOKEN_ENV = "ELASTICRL_TOKEN"
 _ROUND_STATUS = {
@@ -457,7 +454,7 @@ class Membership:
         if self._thread is not threading.current_thread():
             # The coordinator ends the stream once it answered the arrivals waiting on it; one of
             # this member's may wait for a barrier the others have not reached: do not wait for it.
-            self._thread.join(timeout=STOP_GRACE_S)
+            self._thread.join(timeout=CLOSE_WAIT_S)
             if self._thread.is_alive():
                 self._stream.cancel()
                 self._thread.join(timeout=self.client.call_timeout_s + 1)

@@ -36,6 +36,9 @@ CHANNEL_OPTIONS = [
 MAX_WAIT_CHUNK_S = 20.0
 # Slack between a server-side wait and the call's gRPC deadline.
 DEADLINE_SLACK_S = 5.0
+# How long a member closing its Session stream lets the coordinator end it after the ``close``
+# message (it answers the arrivals still waiting on it first), before cancelling it.
+CLOSE_WAIT_S = 0.5
 
 POLICIES = {"evict_missing": pb.TIMEOUT_POLICY_EVICT_MISSING, "report": pb.TIMEOUT_POLICY_REPORT}
 
