@@ -74,7 +74,7 @@ P50_GOALS_MS = {64: 5.0, 512: 50.0}
 # And barrier p50 within this multiple of torch's TCPStore (what torchrun uses), same size and
 # pattern, same run.
 TCPSTORE_GOAL_X = 1.5
-BASELINES = ("tcpstore", "rawgrpc", "flagfile")
+BASELINES = {"tcpstore": "memory", "rawgrpc": "memory", "flagfile": "files"}  # baseline -> its state column
 RAWGRPC = BENCH_DIR / "barrier_rawgrpc.py"
 FAILURE_SLACK_S = 0.5
 
@@ -689,7 +689,7 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
     }
     bench = Bench(args, tmp, cleanup)
     impls = [("coordinator", mode) for mode in args.modes]
-    impls += [(b, {"flagfile": "files"}.get(b, "memory")) for b in BASELINES if b in args.baselines]
+    impls += [(b, state) for b, state in BASELINES.items() if b in args.baselines]
     for impl, mode in impls:
         for pattern in args.patterns:
             for n in args.members:
@@ -701,7 +701,8 @@ def run(args: argparse.Namespace, tmp: pathlib.Path, cleanup: contextlib.ExitSta
     compare_baselines(doc["latency"])
     if not args.skip_failure:
         scenarios = [("coordinator", mode, args.failure_trials, t) for mode in args.modes for t in args.transports]
-        scenarios += [(b, {"flagfile": "files"}.get(b, "memory"), 1, "-") for b in ("tcpstore", "flagfile") if b in args.baselines]
+        # (the raw-gRPC floor has no liveness and no failure scenario)
+        scenarios += [(b, BASELINES[b], 1, "-") for b in ("tcpstore", "flagfile") if b in args.baselines]
         for impl, mode, trials, transport in scenarios:
             log(f"failure: {impl} ({mode}, {transport}), {trials} trial(s) of {args.failure_members} members, ttl {args.ttl}s")
             doc["failure"].append(bench.failure(impl, mode, trials, transport))
