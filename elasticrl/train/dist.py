@@ -88,11 +88,15 @@ class WorldInfo:
 
 
 def init_process_group(backend: str, world: WorldInfo, timeout_s: float) -> None:
-    """Join the default process group from torchrun's MASTER_ADDR/MASTER_PORT (env:// init)."""
+    """Join the default process group from torchrun's MASTER_ADDR/MASTER_PORT (env:// init).
+
+    Under nccl the group is bound to this rank's GPU (``torch.cuda.set_device`` already called), so
+    collectives without a tensor, such as ``barrier()``, need not guess the device."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    bound = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
     if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
         # Started without torchrun: a one-rank group on an in-memory store keeps the code path the same.
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
         return
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         ifname = interface_towards(os.environ.get("MASTER_ADDR", ""))
@@ -102,7 +106,7 @@ def init_process_group(backend: str, world: WorldInfo, timeout_s: float) -> None
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
             log.info("gloo uses interface %s (the route to MASTER_ADDR %s); set GLOO_SOCKET_IFNAME to choose another",
                      ifname, os.environ["MASTER_ADDR"])
-    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, timeout=timeout, **bound)
 
 
 def interface_towards(address: str) -> str | None:
