@@ -133,7 +133,10 @@ class HFEngine:
         self.max_context: int | None = getattr(self._model.config, "max_position_embeddings", None)
         pad = getattr(self._model.config, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id works: padding is masked out
-        self._keep_last_logits = "logits_to_keep" in _forward_params(self._model)
+        params = _forward_params(self._model)
+        self._keep_last_logits = "logits_to_keep" in params
+        # transformers 5.x names the KV cache `cache` (`past_key_values` is deprecated, gone in 5.40).
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._seeds = random.Random(seed)
         self._version = int(policy_version)
         self._sleeping = False
@@ -311,9 +314,9 @@ class HFEngine:
         for _ in range(max(limits)):
             out = self._model(
                 input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                past_key_values=past, use_cache=True, **extra,
+                use_cache=True, **{self._cache_arg: past}, **extra,
             )
-            past = out.past_key_values
+            past = out[self._cache_arg]
             logits = out.logits[:, -1, :].float()  # [B, V]
             tokens, logprobs = self._pick(logits, reqs, chunk.starts, generators, temperature, top_k, top_p, needs_filter)
             for row, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
