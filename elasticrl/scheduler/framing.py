@@ -98,7 +98,10 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
 
 def _read_len(buf: bytes, i: int, end: int) -> tuple[int, int]:
     """A LEN field's payload: (its start, its end)."""
-    n, i = _read_varint(buf, i)
+    n, j = _read_varint(buf, i)
+    if j - i > 5:
+        raise FramingError("a length written in more than 5 bytes")  # as upb refuses it
+    i = j
     if i + n > end:
         raise FramingError(f"a field of {n} bytes runs past the end of its message")
     return i, i + n
@@ -107,6 +110,8 @@ def _read_len(buf: bytes, i: int, end: int) -> tuple[int, int]:
 def _skip(buf: bytes, i: int, end: int, key: int) -> int:
     """Past the value of a field this code does not read (``key`` already consumed)."""
     wire_type = key & 7
+    if key >> 3 == 0:
+        raise FramingError("field number 0 (no message has one)")
     if wire_type == 0:
         _, i = _read_varint(buf, i)
     elif wire_type == 1:
@@ -116,7 +121,7 @@ def _skip(buf: bytes, i: int, end: int, key: int) -> int:
     elif wire_type == 5:
         i += 4
     else:
-        raise FramingError(f"wire type {wire_type} (field {key >> 3}) is not one protobuf has")
+        raise FramingError(f"wire type {wire_type} (field {key >> 3}): only varint, fixed and length-delimited fields are read")
     if i > end:
         raise FramingError("a field runs past the end of its message")
     return i
@@ -124,7 +129,16 @@ def _skip(buf: bytes, i: int, end: int, key: int) -> int:
 
 def _key(buf: bytes, i: int) -> tuple[int, int]:
     key = buf[i]
-    return (key, i + 1) if key < 0x80 else _read_varint(buf, i)
+    return (key, i + 1) if key < 0x80 else _long_key(buf, i)
+
+
+def _long_key(buf: bytes, i: int) -> tuple[int, int]:
+    """A key of more than one byte: a field number of 16 or more, or a small one written long
+    (which protobuf reads as that field). Like upb, at most 5 bytes and 32 bits."""
+    key, j = _read_varint(buf, i)
+    if j - i > 5 or key > 0xFFFFFFFF:
+        raise FramingError("a field key longer than 32 bits")
+    return key, j
 
 
 def _text(buf: bytes, at: tuple[int, int], field: str) -> str:
@@ -255,7 +269,8 @@ def fetch_response(groups: list[tuple[list, int]], total_groups: int, total_toke
 def result_batch_spans(data: bytes) -> tuple[str, list[tuple[int, int]]] | None:
     """Where a serialized ``WorkRequest`` that holds a ``ResultBatch`` (and nothing else) keeps its
     groups: (batch id, [(start, end) of each group's message]). None for any other request (a
-    hello, a release): parse those with the generated class.
+    hello, a release) and for results in a form protobuf must merge (another field beside them, a
+    long key, a batch in pieces): parse those with the generated class.
 
     Raises:
         FramingError: the bytes are not a well-formed message.
@@ -356,6 +371,9 @@ def _sample_fields(buf: bytes, i: int, end: int) -> tuple:
     while i < end:
         key = buf[i]
         i += 1
+        if key >= 0x80:
+            key, i = _long_key(buf, i - 1)
+            canonical = False
         bit = 1 << (key >> 3) if key < 0x80 else 0
         if seen & bit:
             canonical = False
@@ -388,8 +406,6 @@ def _sample_fields(buf: bytes, i: int, end: int) -> tuple:
             t, i = _read_varint(buf, i)
             truncated = t != 0
         else:
-            if key >= 0x80:
-                key, i = _read_varint(buf, i - 1)
             i = _skip(buf, i, end, key)
             canonical = False
     if i != end:
@@ -422,6 +438,9 @@ def _read_group(field: str, buf: bytes, start: int, end: int, node: str) -> tupl
     while i < end:
         key = buf[i]
         i += 1
+        if key >= 0x80:
+            key, i = _long_key(buf, i - 1)
+            canonical = False
         if key == _G_SAMPLE:
             a, i = _read_len(buf, i, end)
             samples.append(_sample_fields(buf, a, i))
@@ -446,8 +465,6 @@ def _read_group(field: str, buf: bytes, start: int, end: int, node: str) -> tupl
             reward_seconds = _F64.unpack_from(buf, i)[0]
             i += 8
         else:  # node, prompt_ids, split, metadata_json are the coordinator's to fill; others unknown
-            if key >= 0x80:
-                key, i = _read_varint(buf, i - 1)
             i = _skip(buf, i, end, key)
             canonical = False
     if i != end:

@@ -295,7 +295,12 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                     continue
                 request = _parsed(raw)
                 kind = request.WhichOneof("kind")
-                if kind == "release":
+                if kind == "results":
+                    # Bytes protobuf reads as results in a form framing leaves to it (an unknown
+                    # field beside them, a long key, a batch in two pieces): the parsed message.
+                    groups, invalid, batch_id = _result_batch(conn, request)
+                    await self.results.submit(conn, groups, request_id("results.batch_id", batch_id), invalid)
+                elif kind == "release":
                     r = request.release
                     self.core.release(
                         conn, r.iteration, list(r.task_ids), v.text("release.reason", r.reason, v.MAX_REASON_LEN),

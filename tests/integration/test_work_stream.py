@@ -120,3 +120,33 @@ def test_result_batches_are_read_in_place_and_what_is_wrong_with_one_group_fails
     g = fetched["t1"]
     assert (g.node, g.prompt_ids, g.metadata_json) == ("w0", [11, 2], ""), g
     assert g.samples[0].token_ids() == [5, 6, 7] and g.samples[0].reward == 1.0
+
+
+def test_results_in_a_form_protobuf_merges_are_taken(coordinator):
+    """Results that ``framing.result_batch_spans`` leaves to protobuf (here an unknown field
+    beside them, as a newer worker may send) are read from the parsed message; they were refused
+    as "kind: results is not allowed after the hello"."""
+    run = "work-merged"
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        client.submit_iteration(run, 1, [TaskSpec(task_id="t0", prompt_ids=[1, 2], num_samples=1)])
+
+    async def scenario():
+        async with AsyncCoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=5) as c:
+            joined = await c.join(run, "w0", lease_ttl_s=60)
+            raw = c._channel.stream_stream("/elasticrl.v1.Scheduler/Work", request_serializer=None, response_deserializer=None)
+            call = raw()
+            hello = spb.WorkerHello(run_id=run, member=wire.member_ref("w0", joined.incarnation), slots=1)
+            await call.write(spb.WorkRequest(hello=hello).SerializeToString())
+            first = spb.WorkResponse.FromString(await asyncio.wait_for(call.read(), 10))
+            assert first.WhichOneof("kind") == "assign", first
+            await call.write(_result(1, "t0").SerializeToString() + b"\xa0\x01\x01")  # + unknown field 20
+            ack = None
+            while ack is None:
+                m = spb.WorkResponse.FromString(await asyncio.wait_for(call.read(), 10))
+                ack = m.ack if m.WhichOneof("kind") == "ack" else None
+            assert ack.accepted == 1 and not ack.refused, ack
+            call.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        assert client.wait_sealed(run, 1, timeout_s=10)["tasks_done"] == 1
