@@ -315,6 +315,9 @@ class Iteration:
     seal_order: int = 0
     """Sealed iterations in the order they sealed (retention keeps the newest); those a restart
     loads come first, in the order of their seal times."""
+    train_fetched: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    """world size -> the ranks that fetched their train shard (retention keeps an iteration no
+    world has fetched in full: trainers fetch in number order, which is not the seal order)."""
     next_expiry: float = math.inf
     """No running copy's task lease ends before this (a lower bound ``core`` keeps as it hands
     out copies; inf: none): the tick looks for expired leases only once it has passed, not over
@@ -327,6 +330,12 @@ class Iteration:
     @property
     def sealed(self) -> bool:
         return self.sealed_at is not None
+
+    @property
+    def awaits_fetch(self) -> bool:
+        """Sealed with train groups that no world of trainers has fetched in full yet."""
+        return (self.sealed and not any(len(ranks) >= n for n, ranks in self.train_fetched.items())
+                and any(t.spec.split is Split.TRAIN for t in self.tasks.values()))
 
     @property
     def deadline(self) -> float | None:

@@ -92,6 +92,9 @@ class InPlace:
         # The engine shares the module (DDP): it draws nothing while the snapshot is loaded into it.
         with self.engine_lock if self.shares_module else contextlib.nullcontext():
             start = self._resume()
+            # The lost world may have released newer versions than the one resumed: the engine
+            # holds this one only now, and tasks that name newer ones wait for them again.
+            self.gate.reset(0)
             self._push(start)
         if self.world.rank == 0:
             self._open_records()

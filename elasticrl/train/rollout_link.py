@@ -117,6 +117,13 @@ class VersionGate:
             self._version = max(self._version, version)
             self._cond.notify_all()
 
+    def reset(self, version: int) -> None:
+        """The node holds ``version`` again, possibly older than before (an in-place re-form that
+        resumed from an older checkpoint): tasks that name a newer one wait for it again."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Wake every waiter with ``GateClosed`` (the worker is stopping: its engine threads must
         not outlive it, or the interpreter waits for them at exit)."""

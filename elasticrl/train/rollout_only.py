@@ -102,22 +102,26 @@ class CoordinatorWeights:
         log.info("loaded published weights: generation %d, policy version %d (%.1f MB)",
                  version >> 32, version & POLICY_MASK, len(blob) / 1e6)
 
-    def catch_up(self) -> None:
+    def catch_up(self, policy_version: int = 0) -> None:
         """Load a newer published version if there is one now, without waiting (at most every
         ``CATCH_UP_EVERY_S``): with ``rollout.max_staleness`` >= 1 a task accepts older weights,
-        and drawing with the newest keeps the policy lag small."""
+        and drawing with the newest keeps the policy lag small. A newer generation's version of
+        a policy older than ``policy_version`` (the task about to be drawn asks for that) is not
+        loaded: it would not pass for that task."""
         now = time.monotonic()
         if now - self._checked_at < CATCH_UP_EVERY_S or not self._fetching.acquire(blocking=False):
             return
         try:
             self._checked_at = now
-            self._load(self.fetcher.fetch(self.weights_version, 0.0))
+            got = self.fetcher.fetch(self.weights_version, 0.0)
+            if got is None or (got[0] & POLICY_MASK) >= policy_version:
+                self._load(got)
         finally:
             self._fetching.release()
 
     def wait(self, policy_version: int, weights_version: int, timeout_s: float) -> None:
         self.refresh(weights_version, timeout_s, policy_version)
-        self.catch_up()
+        self.catch_up(policy_version)
 
 
 def default_member_id() -> str:

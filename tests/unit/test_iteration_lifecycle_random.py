@@ -54,7 +54,7 @@ import pytest
 
 from elasticrl.errors import NotFoundError, NotReadyError
 from elasticrl.scheduler import framing
-from elasticrl.scheduler.core import Assign, Cancel, End, WorkerConn
+from elasticrl.scheduler.core import KEEP_UNFETCHED, Assign, Cancel, End, WorkerConn
 from elasticrl.scheduler.state import IterationConfig, Policy, Split, TaskStatus
 from elasticrl.scheduler.store import MANIFEST
 from tests.unit.scheduler_harness import (
@@ -100,7 +100,14 @@ class Sub:
     dropped: bool = False
     dropped_here: bool = False  # dropped by retention (a fetch says why), not yet submitted again
     seal_order: int = 0  # retention keeps the newest seals (``Iteration.seal_order``)
+    train_fetched: dict = dataclasses.field(default_factory=dict)  # world size -> ranks (the core's, in memory)
     sealed_wall: float = 0.0  # and a restart orders what it loads by the seal's wall time
+
+    @property
+    def awaits_fetch(self) -> bool:
+        """``Iteration.awaits_fetch``: sealed, with train tasks, not fetched by a whole world."""
+        return (bool(self.sealed) and any(sp is Split.TRAIN for sp in self.splits.values())
+                and not any(len(r) >= n for n, r in self.train_fetched.items()))
 
     @property
     def failed(self) -> set:
@@ -133,6 +140,7 @@ class Sim:
         self.path = path
         self.rng = random.Random(seed)
         self.keep = self.rng.choice((2, 3, 4))
+        self.fetching = False  # the core saw a train fetch (since its start)
         self.h = Harness(keep_iterations=self.keep, clock=Clock(now=1000.0), lease_ttl_s=LEASE_TTL_S, state_dir=path)
         self.subs: dict[int, Sub] = {}  # the newest submit of each number
         self.ever: set[int] = set()  # every number submitted
@@ -188,9 +196,13 @@ class Sim:
                 self.seal(sub, kind)
 
     def retain(self) -> None:
-        """``SchedulerCore._trim``: the ``keep`` sealed iterations that sealed last stay."""
+        """``SchedulerCore._trim``: the ``keep`` sealed iterations that sealed last stay, and once the
+        trainers fetch, the newest KEEP_UNFETCHED of those no world fetched in full."""
         sealed = sorted((n for n, s in self.kept().items() if s.sealed), key=lambda n: self.subs[n].seal_order)
+        unfetched = set([n for n in sealed if self.subs[n].awaits_fetch][-KEEP_UNFETCHED:]) if self.fetching else set()
         for n in sealed[:-self.keep]:
+            if n in unfetched:
+                continue
             self.subs[n].dropped = self.subs[n].dropped_here = True
             self.stats["dropped"] += 1
 
@@ -455,6 +467,9 @@ class Sim:
                                 lease_ttl_s=LEASE_TTL_S, state_dir=self.path)
         self.h.incarnations = dict(old.incarnations)
         self.stats["restarts"] += 1
+        self.fetching = False  # what the core knows of fetches is memory only
+        for sub in self.subs.values():
+            sub.train_fetched = {}
         # The seals it loads, in the order of their wall times (to the ms; a tie by number).
         for n in sorted((n for n, s in self.kept().items() if s.sealed), key=lambda n: (round(self.subs[n].sealed_wall, 3), n)):
             self.seals += 1
@@ -475,7 +490,13 @@ class Sim:
 
     def fetch_all(self, n: int) -> dict:
         """{split: [(task id, node, bytes)]} as a trainer of world size 1 gets it."""
+        self.fetched(n, 1, range(1))
         return {split: [(g.task_id, g.node, wire(n, g)) for g, _ in self.h.sched.shard(RUN, n, 0, 1, split)] for split in Split}
+
+    def fetched(self, n: int, ws: int, ranks) -> None:
+        """The core notes a sealed iteration's train fetches (retention keeps what no world fetched)."""
+        self.subs[n].train_fetched.setdefault(ws, set()).update(ranks)
+        self.fetching = True
 
     def check_fetch(self, n: int, ws: int, split: Split) -> None:
         sub = self.subs.get(n)
@@ -493,6 +514,8 @@ class Sim:
             self.stats["fetch not ready"] += 1
             return
         want = {t: x for t, x in sub.at_seal.items() if sub.splits[t] is split}
+        if split is Split.TRAIN:
+            self.fetched(n, ws, range(ws))
         got: dict = {}
         for rank in range(ws):
             for g, task in self.h.sched.shard(RUN, n, rank, ws, split):
