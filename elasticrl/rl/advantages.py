@@ -40,7 +40,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tr
     centered = groups - groups.mean(dim=1, keepdim=True)
     if scale and group_size > 1:
         centered = centered / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)
-    return centered.reshape(-1)
+    # Exactly zero where every sample scored the same: the float32 mean of equal values can be one
+    # ulp off (7 x 2/3), and the division above made that rounding an O(0.1) advantage.
+    flat = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    return centered.masked_fill(flat, 0.0).reshape(-1)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

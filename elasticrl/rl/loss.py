@@ -151,7 +151,7 @@ def policy_loss(
     else:
         k3 = torch.zeros_like(mask)
 
-    masked = per_token * mask  # [B, T]
+    masked = torch.where(counted, per_token, 0.0) * mask  # [B, T]; selected: padding's -inf * 0 is NaN
     if aggregation == "token":
         loss = masked.sum() / num_tokens
     else:

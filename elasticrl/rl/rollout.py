@@ -78,7 +78,7 @@ def sample_groups(
             break
     completion_mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, device=device)
     completion_mask[:, width - 1:] = valid[:, width:].float()
-    old_logprobs = token_logprobs(model, tokens, valid)
+    old_logprobs = token_logprobs(model, tokens, valid, temperature=temperature)
     completions = [vocab.decode(row) for row in tokens[:, width:].tolist()]
     rewards = torch.tensor([task.reward(ex, text) for ex, text in zip(repeated, completions)], device=device)
     model.train(was_training)

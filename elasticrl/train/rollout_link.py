@@ -353,6 +353,8 @@ def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.dev
     old = np.zeros((len(rows), width + length - 1), dtype=np.float32)
     # Prompts: one slice per group (its samples are contiguous rows).
     examples, r = [], 0
+    starts = np.repeat(np.array([width - len(g.prompt_ids) for g in groups], dtype=np.int64),
+                       [len(g.samples) for g in groups])  # [R] each row's first real column
     for g in groups:
         p, k = g.prompt_ids, len(g.samples)
         tokens[r:r + k, width - len(p):width] = p
@@ -368,8 +370,9 @@ def batch_from_groups(groups: list[FetchedGroup], pad_id: int, device: torch.dev
     col = width + np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
     tokens[row, col] = ids
     valid[row, col] = True
-    # The first token of an episode without a prompt predicts nothing (it is an observation's).
-    scored = col > 0
+    # The first token of an episode without a prompt predicts nothing (it is an observation's):
+    # a token is scored only from a real token of its own row, whatever the other rows' prompts.
+    scored = col > starts[row]
     mask[row[scored], col[scored] - 1] = trained[scored]
     old[row[scored], col[scored] - 1] = lps[scored]
     completions = [s.text for _, s in rows]
