@@ -29,6 +29,8 @@ import numbers
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from elasticrl.errors import ElasticRLError
 
 Message = Mapping[str, Any]
@@ -146,7 +148,8 @@ async def call_step(
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise EnvError(f"env {env_label(env)}.step(): reward {reward!r} is not a finite number")
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
-        if not isinstance(flag, (bool, int)) or isinstance(flag, float):
+        # bool or int, numpy's bool_ too (Gymnasium's own checker takes it), never a float
+        if not isinstance(flag, (bool, int, np.bool_)):
             raise EnvError(f"env {env_label(env)}.step(): {name} is {flag!r}; it must be a bool")
     done = bool(terminated) or bool(truncated)
     # A final observation is never shown to the policy; let an env return None there.

@@ -2,7 +2,7 @@
 
 The env picks a secret in ``[low, high]``; each turn the policy guesses and hears ``hi`` (the secret
 is higher), ``lo`` (lower) or wins. Feedback is what makes it multi-turn: a policy that reads the
-earlier turns bisects and always wins within ``ceil(log2(high - low + 1))`` guesses, a policy that
+earlier turns bisects and always wins within ``ceil(log2(high - low + 2))`` guesses, a policy that
 ignores them wins by luck. The text uses only the demo's character vocabulary (digits, lowercase
 letters, ``:`` and ``=``), so the built-in tiny transformer can play it from scratch:
 

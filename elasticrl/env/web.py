@@ -215,10 +215,12 @@ class WebEnv:
         command = lines[0].strip() if lines else ""
         clicked = _CLICK.fullmatch(command)
         if clicked:
-            number = int(clicked.group(1))
+            digits = clicked.group(1)
+            number = int(digits) if len(digits) <= 9 else 0  # int() refuses over 4300 digits
             if not 1 <= number <= len(self.page.links):
                 span = f"1-{len(self.page.links)}" if self.page.links else "none"
-                obs = f"invalid: no link {number} on this page (links: {span}).\n{_ACT_LINE}"
+                shown = digits if len(digits) <= 12 else digits[:12] + "..."
+                obs = f"invalid: no link {shown} on this page (links: {span}).\n{_ACT_LINE}"
                 return obs, 0.0, False, False, self._info(valid_action=False)
             href, _ = self.page.links[number - 1]
             self.page = self._fetch(href)

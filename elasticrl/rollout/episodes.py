@@ -424,3 +424,5 @@ class EpisodeRunner:
             raise EnvError(f"env {label}: {exc}") from exc
         except ValueError as exc:  # e.g. a character the tiny vocabulary lacks
             raise EnvError(f"env {env_label(env)}: its observation cannot be tokenized: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a role the chat template refuses, a lone surrogate: fails this group only
+            raise EnvError(f"env {env_label(env)}: its observation cannot be rendered: {type(exc).__name__}: {exc}") from exc
