@@ -20,7 +20,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import socket
 import time
 from typing import Any
 
@@ -104,7 +106,8 @@ def save_checkpoint(
     """Write checkpoint ``iteration`` under ``root`` and prune to the newest ``keep_last``; returns its path."""
     os.makedirs(root, exist_ok=True)
     final = checkpoint_dir(root, iteration)
-    tmp = os.path.join(root, f".tmp-iter-{iteration:06d}-{os.getpid()}")
+    # Unique to this writer: every_node writers on one shared filesystem can have the same pid.
+    tmp = os.path.join(root, f".tmp-iter-{iteration:06d}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     opt_tensors, opt_rest = flatten_optimizer(optimizer_state)
@@ -120,14 +123,16 @@ def save_checkpoint(
     hold_s = float(os.environ.get(CHECKPOINT_HOLD_ENV) or 0)
     if hold_s > 0:  # fault injection only (see CHECKPOINT_HOLD_ENV)
         time.sleep(hold_s)
+    if os.path.isdir(final) and not os.path.isfile(os.path.join(final, META_FILE)):
+        shutil.rmtree(final, ignore_errors=True)  # a crashed save's or prune's remains, not a checkpoint
     try:
         os.rename(tmp, final)
     except OSError:
-        if not os.path.isdir(final):
+        if not os.path.isfile(os.path.join(final, META_FILE)):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another writer saved this iteration first
         log.debug("checkpoint %s already written by another rank", final)
-    _prune(root, keep_last)
+    _prune(root, keep_last, keep=final)
     return final
 
 
@@ -151,26 +156,35 @@ def latest_iteration(root: str) -> int:
 
 
 def load_checkpoint(path: str) -> Checkpoint:
-    with open(os.path.join(path, META_FILE)) as f:
-        meta = json.load(f)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
-    return Checkpoint(
-        iteration=int(meta["iteration"]),
-        model=load_file(os.path.join(path, MODEL_FILE)),
-        optimizer_tensors=load_file(os.path.join(path, OPTIMIZER_FILE)),
-        meta=meta,
-        reference=load_file(ref) if os.path.exists(ref := os.path.join(path, REFERENCE_FILE)) else None,
-    )
+    """The checkpoint in ``path``. Raises ValueError naming the file that cannot be read."""
+    name = os.path.join(path, META_FILE)
+    try:
+        with open(name) as f:
+            meta = json.load(f)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"checkpoint format {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+        iteration = int(meta["iteration"])
+        name = os.path.join(path, MODEL_FILE)
+        model = load_file(name)
+        name = os.path.join(path, OPTIMIZER_FILE)
+        optimizer = load_file(name)
+        name = os.path.join(path, REFERENCE_FILE)
+        reference = load_file(name) if os.path.exists(name) else None
+    except Exception as exc:  # noqa: BLE001 - json's, safetensors' and OSError's messages name no file
+        raise ValueError(f"checkpoint {path}: {os.path.basename(name)} cannot be read: {type(exc).__name__}: {exc}") from exc
+    return Checkpoint(iteration=iteration, model=model, optimizer_tensors=optimizer, meta=meta, reference=reference)
 
 
-def _prune(root: str, keep_last: int) -> None:
+def _prune(root: str, keep_last: int, keep: str = "") -> None:
+    """The newest ``keep_last`` complete checkpoints stay, and ``keep`` (the one just written, even
+    below an earlier run's newer ones: it is this run's)."""
     for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
     # Leftovers of crashed saves. Writers save the same iterations in lockstep, so a temporary
     # directory of an older iteration than the newest complete one is nobody's work in progress.
     newest = latest_iteration(root)
     for name in os.listdir(root):
-        m = re.fullmatch(r"\.tmp-iter-(\d+)-\d+", name)
+        m = re.fullmatch(r"\.tmp-iter-(\d+)-.+", name)
         if m and int(m.group(1)) < newest:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -159,6 +159,12 @@ class NodeTrainer(InPlace):
         if self.reformer is not None:
             reform.abortable_ddp(self.strategy.module, self.watch)
         self.device = self.strategy.device
+        if not cfg.checkpoint.resume and (old := ckpt.latest_iteration(self.recovery.ckpt_dir)):
+            # Its checkpoints would outrank this run's: pruned by them, or resumed instead of them.
+            raise ConfigError(
+                f"checkpoint.resume: false, but {self.recovery.ckpt_dir} already holds checkpoints (the newest of "
+                f"iteration {old}); give this run another checkpoint.dir (or run.run_dir), delete them, or resume"
+            )
         start = self._resume() if cfg.checkpoint.resume else 0
         if start == 0 and t.warmup_steps and self.task is not None:
             supervised_warmup(self.parts, self.strategy, self.task, steps=t.warmup_steps, batch_size=t.warmup_batch_size,

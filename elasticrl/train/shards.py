@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
@@ -171,6 +172,9 @@ def write_shard(chunks: Mapping[str, Chunk], path: str) -> int:
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    # An empty piece of a tensor that is not empty holds nothing, and DCP's reader indexes pieces
+    # by (name, offset): at another rank's piece's offset it would hide that piece.
+    chunks = {k: c for k, c in chunks.items() if c.tensor.numel() or not math.prod(c.size)}
     try:
         if chunks:
             writer = HuggingFaceStorageWriter(tmp, save_distributed=True)
@@ -188,9 +192,19 @@ def write_shard(chunks: Mapping[str, Chunk], path: str) -> int:
 
 
 def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (whole shape, dtype) of every tensor in the shards of ``directory``."""
-    md = HuggingFaceStorageReader(directory).read_metadata()
+    """name -> (whole shape, dtype) of every tensor in the shards of ``directory``.
+
+    Raises:
+        ShardError: a shard's header cannot be read (a truncated file, say)."""
+    md = _read_metadata(directory)
     return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+
+
+def _read_metadata(directory: str) -> Metadata:
+    try:
+        return HuggingFaceStorageReader(directory).read_metadata()  # the files' headers only
+    except Exception as exc:  # noqa: BLE001 - safetensors' and json's errors name no file
+        raise ShardError(f"{directory}: a shard's header cannot be read: {type(exc).__name__}: {exc}") from exc
 
 
 def check_complete(metadata: Metadata) -> None:
@@ -209,7 +223,7 @@ def read_shards(directory: str, chunks: Mapping[str, Chunk]) -> None:
         return
     if not glob.glob(os.path.join(directory, "*" + SUFFIX)):
         raise ShardError(f"{directory}: no shards")
-    metadata = HuggingFaceStorageReader(directory).read_metadata()  # the files' headers only
+    metadata = _read_metadata(directory)
     check_complete(metadata)
     for fqn, c in chunks.items():  # here, not in the planner: DCP would wrap the error in its own
         md = metadata.state_dict_metadata.get(fqn)
@@ -217,4 +231,7 @@ def read_shards(directory: str, chunks: Mapping[str, Chunk]) -> None:
             raise ShardError(f"the snapshot in {directory} has no tensor {fqn!r}")
         if tuple(md.size) != tuple(c.size):
             raise ShardError(f"{fqn}: the snapshot in {directory} has shape {tuple(md.size)}, this model {tuple(c.size)}")
-    dcp.load(dict(chunks), storage_reader=HuggingFaceStorageReader(directory), planner=ChunkLoadPlanner(), no_dist=True)
+    try:
+        dcp.load(dict(chunks), storage_reader=HuggingFaceStorageReader(directory), planner=ChunkLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise ShardError(f"{directory}: reading the shards failed: {type(exc).__name__}: {str(exc)[:500]}") from exc
