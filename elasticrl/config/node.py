@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -149,7 +151,7 @@ def _coerce(key: str, text: str, typ: Any) -> Any:
             value = None
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: {text!r} is not a JSON object (e.g. '{{\"zero_optimization\": {{}}}}')")
-        return value
+        return _check_json(key, value)
     if typ is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -159,10 +161,41 @@ def _coerce(key: str, text: str, typ: Any) -> Any:
         raise ConfigError(f"{key}: {text!r} is not a boolean; use true or false")
     if typ in (int, float):
         try:
-            return typ(text)
+            return _finite(key, typ(text))
         except ValueError:
             raise ConfigError(f"{key}: {text!r} is not {'an integer' if typ is int else 'a number'}") from None
     return text
+
+
+def _finite(key: str, value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value!r} is not a finite number")
+    return value
+
+
+def _toml_line(path, exc: Exception) -> str:
+    """The text of the line a TOML error points at (tomllib's message gives only its number)."""
+    m = re.search(r"at line (\d+)", str(exc))
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        return f": {lines[int(m.group(1)) - 1].strip()[:200]!r}" if m else ""
+    except (OSError, IndexError):
+        return ""
+
+
+def _check_json(key: str, value: Any) -> Any:
+    """A table's value from TOML or JSON: what JSON can hold (config.json records it)."""
+    if isinstance(value, dict):
+        return {k: _check_json(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_check_json(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return _finite(key, value)
+    raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}; a table holds strings, numbers, booleans, "
+                      "arrays and tables (write a date as a string)")
 
 
 def _check_type(key: str, value: Any, typ: Any) -> Any:
@@ -176,12 +209,15 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected a table")
-        return value
+        return _check_json(key, value)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}: {value} is beyond a float's range") from None
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: {value!r} is a {type(value).__name__}, expected {typ.__name__}")
-    return value
+    return _finite(key, value)
 
 
 def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
@@ -196,7 +232,7 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
         else:
             key = arg[2:]
             value = next(it, None)
-            if value is None:
+            if value is None or (value.startswith("--") and "." in value.split("=", 1)[0]):
                 raise ConfigError(f"--{key}: missing value (write --{key}=VALUE)")
         pairs.append((key, value))
     return pairs
@@ -217,7 +253,9 @@ def load_config(
         except FileNotFoundError:
             raise ConfigError(f"--config: {os.fspath(path)!r} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config: {os.fspath(path)!r} is not valid TOML: {exc}") from None
+            raise ConfigError(f"--config: {os.fspath(path)!r} is not valid TOML: {exc}{_toml_line(path, exc)}") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:  # a directory, not UTF-8, an int of 5000 digits
+            raise ConfigError(f"--config: {os.fspath(path)!r} cannot be read as TOML: {type(exc).__name__}: {exc}") from None
         for name, table in data.items():
             if name not in sections:
                 raise ConfigError(f"[{name}]: unknown section; valid sections are {', '.join(sections)}")

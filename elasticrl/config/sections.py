@@ -40,6 +40,7 @@ class RunConfig:
         _check(self.rl_phase in RL_PHASES, f"run.rl_phase: {self.rl_phase!r} must be one of {', '.join(RL_PHASES)}")
         _check(self.eval_interval >= 0, f"run.eval_interval: {self.eval_interval} must be >= 0 (0 disables evaluation)")
         _check(self.num_threads >= 1, f"run.num_threads: {self.num_threads} must be at least 1")
+        _check(-(1 << 63) <= self.seed < 1 << 64, f"run.seed: {self.seed} must be in -2**63..2**64-1 (what torch.manual_seed takes)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -215,7 +216,7 @@ class RolloutConfig:
         _check(1 <= self.slots <= 4096, f"rollout.slots: {self.slots} must be in 1..4096")
         _check(self.deadline_s >= 0, f"rollout.deadline_s: {self.deadline_s} must be >= 0 (0: no deadline)")
         _check(0 < self.min_fraction <= 1, f"rollout.min_fraction: {self.min_fraction} must be in (0, 1]")
-        _check(self.task_lease_s >= 0.001, f"rollout.task_lease_s: {self.task_lease_s} must be > 0 seconds")
+        _check(self.task_lease_s >= 0.001, f"rollout.task_lease_s: {self.task_lease_s} must be >= 0.001 seconds")
         _check(self.backup_tasks >= 0, f"rollout.backup_tasks: {self.backup_tasks} must be >= 0")
         _check(1 <= self.max_task_failures <= 100, f"rollout.max_task_failures: {self.max_task_failures} must be in 1..100")
         _check(self.seal_timeout_s > 0, f"rollout.seal_timeout_s: {self.seal_timeout_s} must be > 0 seconds")

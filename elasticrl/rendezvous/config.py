@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import socket
@@ -144,9 +145,12 @@ _KEY_OF = {field: key for key, field in _CONF_KEYS.items()}
 
 def _seconds_value(key: str, value) -> float:
     try:
-        return float(value)
+        seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"--rdzv-conf {key}={value!r}: expected a number of seconds, e.g. {key}=5") from None
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise ValueError(f"--rdzv-conf {key}={value!r}: expected a (finite) number of seconds, e.g. {key}=5")
+    return seconds
 
 
 def _bool_value(key: str, value) -> bool:
