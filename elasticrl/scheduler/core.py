@@ -63,9 +63,10 @@ log = logging.getLogger(__name__)
 FENCED_STREAM_GRACE_S = 60.0
 # Sealed iterations whose groups stay in memory per run (trainers fetch the newest one or two).
 KEEP_SEALED_GROUPS = 2
-# Beyond those, once a run's trainers fetch: sealed iterations no world has fetched yet are kept
-# (groups and all), the newest this many. With rollout.max_staleness = k the iterations submitted
-# ahead can seal before the one the trainer waits for: k + 1 of them (k at most 64).
+# Beyond those, once a run's trainers fetched an iteration in full: sealed iterations numbered
+# above it that no world has fetched yet are kept (groups and all), the newest this many. With
+# rollout.max_staleness = k the iterations submitted ahead can seal before the one the trainer
+# waits for: k + 1 of them (k at most 64).
 KEEP_UNFETCHED = 66
 # Sealed iterations kept per run (``--keep-iterations``): older ones are dropped from memory and
 # SQLite and their shards deleted (manifests stay). A trainer fetches the newest one or two.
@@ -108,8 +109,9 @@ class SchedulerCore(ResultBook):
         # Runs with an iteration sealed since the last tick, whose old iterations the tick drops
         # (``_trim``): not on the seal's own path, which the trainer waits for.
         self._trim_due: set[str] = set()
-        # Runs whose trainers fetch their train shards (retention then keeps what they have not).
-        self._fetching: set[str] = set()
+        # Per run, the newest iteration a whole world of trainers fetched the train shards of
+        # (retention then keeps the sealed ones above it that they have not fetched yet).
+        self._fetched_upto: dict[str, int] = {}
         now = self.clock()
         self._elapsed_at_seal: dict[tuple[str, int], float] = {}
         self._seal_order = itertools.count(1)
@@ -576,16 +578,17 @@ class SchedulerCore(ResultBook):
         """Keep the groups of the newest KEEP_SEALED_GROUPS sealed iterations in memory (older ones
         are read back from their shards if a trainer still asks for them), and the newest
         ``keep_iterations`` sealed iterations at all: older ones leave memory, SQLite and disk.
-        Once the run's trainers fetch, what they have not fetched yet is kept whole as well (the
-        newest KEEP_UNFETCHED): iterations submitted ahead (``rollout.max_staleness``) seal
-        before the one the trainer waits for, and were dropped before it got to them."""
+        Once the run's trainers fetched an iteration in full, the sealed iterations above it that
+        they have not fetched yet are kept whole as well (the newest KEEP_UNFETCHED): iterations
+        submitted ahead (``rollout.max_staleness``) seal before the one the trainer waits for, and
+        were dropped before it got to them. (Trainers fetch in number order; one resumed from an
+        older checkpoint fetches lower numbers again, which the seal order keeps, as before.)"""
         its = self.iterations.get(run_id, {})
         # In the order they sealed, not by number: an iteration submitted again after it was dropped
         # (a trainer resumed from an older checkpoint) is the newest once it seals.
         sealed = sorted((i for i, it in its.items() if it.sealed), key=lambda i: its[i].seal_order)
-        unfetched: set[int] = set()
-        if run_id in self._fetching:
-            unfetched = set([i for i in sealed if its[i].awaits_fetch][-KEEP_UNFETCHED:])
+        fetched = self._fetched_upto.get(run_id)
+        unfetched = set() if fetched is None else set([i for i in sealed if i > fetched and its[i].awaits_fetch][-KEEP_UNFETCHED:])
         for iteration in sealed[-self.keep_iterations:-KEEP_SEALED_GROUPS]:
             if iteration in unfetched:
                 continue
@@ -627,7 +630,7 @@ class SchedulerCore(ResultBook):
             conn.closed = True
         self._dispatched_at.pop(run_id, None)
         self._freed.pop(run_id, None)
-        self._fetching.discard(run_id)
+        self._fetched_upto.pop(run_id, None)
         self._dropped_upto.pop(run_id, None)
         self._trim_due.discard(run_id)
 
@@ -661,9 +664,11 @@ class SchedulerCore(ResultBook):
             raise InvalidRequestError(f"rank: {rank} must be in 0..world_size-1 (world_size={world_size})")
         self._load_groups(it)
         if split is Split.TRAIN:
-            it.train_fetched.setdefault(world_size, set()).add(rank)
-            self._fetching.add(run_id)
-            self._trim_due.add(run_id)  # what the trainers fetched need not be kept for them
+            ranks = it.train_fetched.setdefault(world_size, set())
+            ranks.add(rank)
+            if len(ranks) == world_size:  # what the trainers fetched need not be kept for them
+                self._fetched_upto[run_id] = max(iteration, self._fetched_upto.get(run_id, -1))
+                self._trim_due.add(run_id)
         done = [t for t in it.tasks.values() if t.status is TaskStatus.DONE and t.spec.split is split]
         if any(t.spec.task_id not in it.groups for t in done):
             raise NotFoundError(

@@ -140,7 +140,7 @@ class Sim:
         self.path = path
         self.rng = random.Random(seed)
         self.keep = self.rng.choice((2, 3, 4))
-        self.fetching = False  # the core saw a train fetch (since its start)
+        self.fetched_upto = None  # the newest iteration a whole world fetched (since the core's start)
         self.h = Harness(keep_iterations=self.keep, clock=Clock(now=1000.0), lease_ttl_s=LEASE_TTL_S, state_dir=path)
         self.subs: dict[int, Sub] = {}  # the newest submit of each number
         self.ever: set[int] = set()  # every number submitted
@@ -197,9 +197,10 @@ class Sim:
 
     def retain(self) -> None:
         """``SchedulerCore._trim``: the ``keep`` sealed iterations that sealed last stay, and once the
-        trainers fetch, the newest KEEP_UNFETCHED of those no world fetched in full."""
+        trainers fetched one in full, the newest KEEP_UNFETCHED of those above it no world fetched."""
         sealed = sorted((n for n, s in self.kept().items() if s.sealed), key=lambda n: self.subs[n].seal_order)
-        unfetched = set([n for n in sealed if self.subs[n].awaits_fetch][-KEEP_UNFETCHED:]) if self.fetching else set()
+        upto = self.fetched_upto
+        unfetched = set() if upto is None else set([n for n in sealed if n > upto and self.subs[n].awaits_fetch][-KEEP_UNFETCHED:])
         for n in sealed[:-self.keep]:
             if n in unfetched:
                 continue
@@ -467,7 +468,7 @@ class Sim:
                                 lease_ttl_s=LEASE_TTL_S, state_dir=self.path)
         self.h.incarnations = dict(old.incarnations)
         self.stats["restarts"] += 1
-        self.fetching = False  # what the core knows of fetches is memory only
+        self.fetched_upto = None  # what the core knows of fetches is memory only
         for sub in self.subs.values():
             sub.train_fetched = {}
         # The seals it loads, in the order of their wall times (to the ms; a tie by number).
@@ -495,8 +496,10 @@ class Sim:
 
     def fetched(self, n: int, ws: int, ranks) -> None:
         """The core notes a sealed iteration's train fetches (retention keeps what no world fetched)."""
-        self.subs[n].train_fetched.setdefault(ws, set()).update(ranks)
-        self.fetching = True
+        got = self.subs[n].train_fetched.setdefault(ws, set())
+        got.update(ranks)
+        if len(got) == ws:
+            self.fetched_upto = max(n, -1 if self.fetched_upto is None else self.fetched_upto)
 
     def check_fetch(self, n: int, ws: int, split: Split) -> None:
         sub = self.subs.get(n)
