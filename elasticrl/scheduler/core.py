@@ -392,7 +392,9 @@ class SchedulerCore(ResultBook):
         ``freed_only``: look only at the workers whose slots were freed since the last dispatch
         (``_slots_freed``): after a result batch, the rest had their chance when the tasks now
         queued appeared, each a full dispatch. A full scan at every batch cost O(workers): at 512
-        single-slot workers it was most of the coordinator's time per batch."""
+        single-slot workers it was most of the coordinator's time per batch. Except when this pass
+        empties a dynamic iteration's queue with backups left to hand out: backups appear only
+        now, for any idle worker, so a full pass follows."""
         self._dispatched_at[run_id] = self.clock()
         freed = self._freed.pop(run_id, {})
         if freed_only:  # in the order they opened, as a full pass goes
@@ -408,6 +410,8 @@ class SchedulerCore(ResultBook):
         now = self.clock()
         batches: dict[int, list] = collections.defaultdict(list)
         touched: dict[int, tuple[Iteration, set[str]]] = {}
+        backups_next = [it for it in open_its if freed_only and it.queue and it.config.policy is Policy.DYNAMIC
+                        and it.config.backup_tasks > it.counters.backups_issued]
         progress = True
         while progress:
             progress = False
@@ -432,6 +436,8 @@ class SchedulerCore(ResultBook):
             items = batches.get(id(conn))
             if items:
                 conn.send(Assign(items))
+        if any(not it.queue for it in backups_next):
+            self._dispatch(run_id)
 
     def _assign(self, it: Iteration, task: Task, worker: Worker, now: float, backup: bool):
         task_id = task.spec.task_id

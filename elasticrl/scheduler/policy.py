@@ -45,7 +45,8 @@ def pick_tasks(it: Iteration, worker: Worker, free: int, *, retry_anywhere: bool
 
     Static: the worker's own share first, then requeued tasks anyone may take. Dynamic: the shared
     queue in order; once it is empty, up to ``backup_tasks`` backup copies of the longest-running
-    tasks that only one other worker holds (the first copy to finish wins). A task whose env
+    tasks that only one other worker holds (the first copy to finish wins), never of one this
+    worker still runs (its lease expired) or whose env failed on it. A task whose env
     failed on this worker is retried elsewhere: it is skipped here unless ``retry_anywhere`` (it
     waited in the queue for another worker long enough).
     """
@@ -74,7 +75,8 @@ def pick_tasks(it: Iteration, worker: Worker, free: int, *, retry_anywhere: bool
         stragglers = sorted(
             (t for t in it.tasks.values()
              if t.status is TaskStatus.RUNNING and len(t.holders) == 1 and worker.member_id not in t.holders
-             and not t.storing),
+             and not t.storing and (it.iteration, t.spec.task_id) not in worker.holding
+             and worker.member_id not in t.failed_on),
             key=lambda t: (min(h.assigned_at for h in t.holders.values()), t.seq),
         )
         for task in stragglers[: min(budget, free - len(picked))]:
