@@ -330,9 +330,11 @@ class HFEngine:
                     done[row] = True
             if all(done):
                 break
-            # Finished rows keep decoding (their tokens are ignored) so the batch stays rectangular.
+            # Finished rows keep decoding (their tokens are ignored) so the batch stays rectangular,
+            # at their last position: advanced, they passed the context (learned positions raised
+            # IndexError; dynamic RoPE rescaled every row of the batch by the largest position).
             step_ids = tokens[:, None]
-            step_pos = step_pos[:, -1:] + 1
+            step_pos = step_pos[:, -1:] + torch.tensor([not d for d in done], dtype=step_pos.dtype, device=dev)[:, None]
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=dev)], dim=1)
 
         decode = self._tokenizer.decode if self._tokenizer is not None else None
