@@ -19,8 +19,14 @@ def plot_rewards(metrics_path: str, png_path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib, or pip install -e '.[demo]')"
+    records = []
     with open(metrics_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # blank, or torn by a kill mid-write
+    records = [r for r in records if isinstance(r, dict) and "iteration" in r]
     if not records:
         return f"{metrics_path} has no records"
     by_iteration = {r["iteration"]: r for r in records}  # a redone iteration: its last record wins

@@ -345,16 +345,18 @@ class CoordinatorServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
-        if self.metrics_endpoint is not None:
-            await asyncio.to_thread(self.metrics_endpoint.stop)
+        # The tick first: while the server refuses new calls for its grace, keep-alives cannot
+        # arrive, and leases running out then evicted live members (persisted for the restart).
         if self._tick_task is not None:
             self._tick_task.cancel()
             try:
                 await self._tick_task
             except asyncio.CancelledError:
                 pass
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self.metrics_endpoint is not None:
+            await asyncio.to_thread(self.metrics_endpoint.stop)
         self.scheduler.save_counters()  # what the last tick had not written yet (it logs a failure)
         self.db.close()
         log.info("elasticrl coordinator on %s stopped", self.address)

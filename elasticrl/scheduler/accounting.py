@@ -36,7 +36,8 @@ def manifest(it: Iteration, slots: dict[str, int], now: float, elapsed_s: float)
     nodes = []
     for member_id in sorted(set(it.nodes) | set(running)):
         s = it.node(member_id)
-        span = (s.last_result_at or 0) - (s.first_assigned_at or 0)
+        # Unknown after a restart (not persisted): then no rate, not done / a monotonic reading.
+        span = (s.last_result_at - s.first_assigned_at) if s.last_result_at is not None and s.first_assigned_at is not None else 0.0
         nodes.append({
             "node": member_id, "assigned": s.assigned, "done": s.done, "running": running.get(member_id, 0),
             "refused": s.refused, "tokens": s.tokens, "evicted": s.evicted,

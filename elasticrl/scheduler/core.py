@@ -602,7 +602,8 @@ class SchedulerCore(ResultBook):
             it.groups.clear()
             if self.store.forget(run_id, iteration):  # in memory: nothing to read them back from
                 it.shard_of.clear()
-        old = [i for i in sealed[:-self.keep_iterations] if i not in unfetched]
+        # The newest number stays too: it is the run's current iteration (``latest``, the metrics).
+        old = [i for i in sealed[:-self.keep_iterations] if i not in unfetched and i != max(its)]
         if not old:
             return
         upto = max(self._dropped_upto.get(run_id, -1), *old)
@@ -621,6 +622,7 @@ class SchedulerCore(ResultBook):
         workers stop at once instead of finding out by polling (its iterations stay readable)."""
         for conn in self.conns.get(run_id, {}).values():
             if not conn.closed:
+                conn.run_closed = True
                 conn.send(End(RunClosedError(f"run {run_id!r} was closed ({reason})")))
 
     def drop_run(self, run_id: str) -> None:

@@ -266,10 +266,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                 yield item
         finally:
             reader.cancel()
-            # Always abrupt: a killed worker's reset often reads as a half-close here. A worker
-            # that stops on purpose leaves first, and the end of a departed member's stream
-            # evicts nobody.
-            self.core.disconnect(conn, reason)
+            # Abrupt unless the coordinator ended it (a closed run): a killed worker's reset often
+            # reads as a half-close here. A worker that stops on purpose leaves first, and the end
+            # of a departed member's stream evicts nobody.
+            self.core.disconnect(conn, reason, abrupt=not conn.run_closed)
 
     def _connect(self, request: spb.WorkRequest) -> WorkerConn:
         if request.WhichOneof("kind") != "hello":

@@ -57,6 +57,8 @@ class WorkerConn:
         self.fenced_at: float | None = None
         self.draining = False
         """The worker said it is stopping (``RELEASE_STOPPING``): nothing more is handed to it."""
+        self.run_closed = False
+        """The coordinator ended this stream itself (its run was closed): no broken stream."""
         self.combined_acks = False
         """Its hello said it reads acks merged with assignments (``outbox.Writer``)."""
         self.pending: collections.deque[Decided] = collections.deque()

@@ -74,8 +74,10 @@ class JsonLines:
         self.path = os.path.join(run_dir, METRICS_FILE)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({**metrics, "time_unix_s": time.time()}) + "\n")
+        with open(self.path, "a+b") as f:
+            # A line torn by a kill mid-write stays torn, but this record starts a line of its own.
+            torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+            f.write((("\n" if torn else "") + json.dumps({**metrics, "time_unix_s": time.time()}) + "\n").encode())
 
     def last_iteration(self) -> int:
         """The newest iteration on record (0 for none): a resumed run adds what its snapshot

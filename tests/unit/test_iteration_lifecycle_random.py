@@ -197,12 +197,14 @@ class Sim:
 
     def retain(self) -> None:
         """``SchedulerCore._trim``: the ``keep`` sealed iterations that sealed last stay, and once the
-        trainers fetched one in full, the newest KEEP_UNFETCHED of those above it no world fetched."""
+        trainers fetched one in full, the newest KEEP_UNFETCHED of those above it no world fetched;
+        and the highest number held."""
         sealed = sorted((n for n, s in self.kept().items() if s.sealed), key=lambda n: self.subs[n].seal_order)
         upto = self.fetched_upto
         unfetched = set() if upto is None else set([n for n in sealed if n > upto and self.subs[n].awaits_fetch][-KEEP_UNFETCHED:])
+        newest = max(self.kept(), default=None)  # the run's current iteration stays
         for n in sealed[:-self.keep]:
-            if n in unfetched:
+            if n in unfetched or n == newest:
                 continue
             self.subs[n].dropped = self.subs[n].dropped_here = True
             self.stats["dropped"] += 1
