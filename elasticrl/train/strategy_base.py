@@ -124,6 +124,20 @@ def json_safe(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
 
 
+def owned_cpu_tensors(state: Mapping[str, torch.Tensor], live: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
+    """``state`` on the CPU, each tensor its own memory: one that shares storage with an earlier
+    entry (tied weights: safetensors refuses aliases) or with a ``live`` tensor (a parameter the
+    next step changes) is copied; the rest are moved, or kept when already on the CPU."""
+    seen = {t.untyped_storage().data_ptr() for t in live}
+    out = {}
+    for name, t in state.items():
+        t = t.detach()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.to("cpu", copy=True) if ptr in seen else t.cpu()
+        seen.add(out[name].untyped_storage().data_ptr())
+    return out
+
+
 def cpu_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     """A deep copy of an optimizer ``state_dict`` with every tensor detached on the CPU."""
     return {

@@ -30,7 +30,7 @@ from torch import nn
 from elasticrl.config import ConfigError
 from elasticrl.train.dist import final_barrier
 from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
-from elasticrl.train.strategy_base import check_state_keys, common_step, json_safe, optimizer_params, prepare_model
+from elasticrl.train.strategy_base import check_state_keys, common_step, json_safe, optimizer_params, owned_cpu_tensors, prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +152,10 @@ class DeepSpeedStrategy:
             if value is None:  # frozen: not in ZeRO's partitions
                 value = self._gather_frozen(param)
             full[id(param)] = value.detach().float().cpu().clone()
-        return {
+        # Tied weights: one gathered tensor, a copy of it per name (safetensors refuses aliases).
+        return owned_cpu_tensors({
             name: full[id(t)] if id(t) in full else t.detach().cpu().clone() for name, t in self._named_tensors().items()
-        }
+        })
 
     def _module_params(self) -> list[nn.Parameter]:
         """Every distinct parameter in ``named_parameters`` order: the same on every rank."""
@@ -169,7 +170,6 @@ class DeepSpeedStrategy:
         return param.detach()
 
     def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param
         from deepspeed.runtime.zero import GatheredParameters
 
         named = self._named_tensors()
@@ -185,7 +185,36 @@ class DeepSpeedStrategy:
         # ...and ZeRO's fp32 master partitions, which the optimizer steps.
         for tensor, value in params:
             if tensor.requires_grad:
-                safe_set_full_fp32_param(tensor, value.to(device=self._device, dtype=torch.float32))
+                self._set_full(tensor, value.to(device=self._device, dtype=torch.float32))
+
+    def _set_full(self, param: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+        """``value`` as ``param``'s whole fp32 master value, or its optimizer state ``key``."""
+        from deepspeed.utils import (
+            safe_set_full_fp32_param,
+            safe_set_full_optimizer_state,
+            safe_set_local_fp32_param,
+            safe_set_local_optimizer_state,
+        )
+
+        if self.config.zero_stage != 3:
+            if key is None:
+                safe_set_full_fp32_param(param, value)
+            else:
+                safe_set_full_optimizer_state(param, value, key)
+            return
+        # ZeRO-3's full setter cuts the unpadded value at the padded partition's offset, past its
+        # end on the last rank when the size does not divide by the world: this rank's slice of
+        # the zero-padded value instead.
+        part = param.ds_tensor.numel()
+        zero = param._z3_optimizer
+        rank = zero._get_param_partition_rank(param) if hasattr(zero, "_get_param_partition_rank") else dist.get_rank()
+        piece = value.reshape(-1)[part * rank:part * (rank + 1)]
+        local = torch.zeros(part, dtype=value.dtype, device=value.device)
+        local[:piece.numel()] = piece
+        if key is None:
+            safe_set_local_fp32_param(param, local)
+        else:
+            safe_set_local_optimizer_state(param, local, key)
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer.optimizer  # the torch optimizer over flat fp32 partitions
@@ -228,7 +257,6 @@ class DeepSpeedStrategy:
         return {"state": state, "param_groups": groups}
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
 
         saved = {int(i): slots for i, slots in state["state"].items()}
         groups = list(state["param_groups"])
@@ -254,7 +282,7 @@ class DeepSpeedStrategy:
                 raise KeyError(f"optimizer state has no entry for parameter {index} of {len(self._params)}")
             for key in keys:
                 value = saved[index][key].to(device=self._device, dtype=torch.float32)
-                safe_set_full_optimizer_state(param, value, key)
+                self._set_full(param, value, key)
 
     def _ensure_optimizer_state(self, keys: list[str], step: torch.Tensor | None) -> None:
         """Before the first step the base optimizer has no state for its flat partitions: make it

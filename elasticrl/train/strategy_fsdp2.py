@@ -33,6 +33,7 @@ from elasticrl.train.strategy_base import (
     optimizer_from_parts,
     optimizer_params,
     optimizer_views,
+    owned_cpu_tensors,
     prepare_model,
     transformer_blocks,
 )
@@ -96,7 +97,9 @@ class FSDP2Strategy:
         # cpu_offload=True gathers onto rank 0 only (others get {}); without it every rank gets all.
         options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         state = get_model_state_dict(self.module, options=options)
-        return {name: t.detach().cpu() for name, t in state.items()}
+        # One CPU rank: the full tensors are the parameters' own storage; tied weights: one tensor.
+        live = [p.to_local() if hasattr(p, "to_local") else p for p in self.module.parameters()]
+        return owned_cpu_tensors(state, live)
 
     def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         check_state_keys(self.module.state_dict().keys(), state.keys())
