@@ -135,6 +135,20 @@ def test_a_node_refuses_a_checkpoint_of_another_policy(first_run, coordinator, t
     assert "'d_model': 64" in node.stderr and "'d_model': 32" in node.stderr
 
 
+def test_a_fresh_run_refuses_a_checkpoint_dir_that_holds_checkpoints(first_run, coordinator, tmp_path):
+    """checkpoint.resume = false over a directory with checkpoints: its saves were pruned by (or
+    lost to) the older run's, and a later resume took the older run's weights."""
+    out, result = first_run
+    assert result.returncode == 0, result.stdout
+    node = subprocess.run(
+        [sys.executable, "-m", "elasticrl.node", f"--coordinator.address={coordinator.address}", "--run.run_id=fresh",
+         f"--run.run_dir={tmp_path}", f"--checkpoint.dir={out / 'checkpoints'}", "--checkpoint.resume=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert node.returncode == 2, node.stderr
+    assert "checkpoint.resume: false, but" in node.stderr and "already holds checkpoints" in node.stderr, node.stderr
+
+
 @pytest.mark.slow
 def test_losing_a_node_mid_run_finishes_on_the_survivor(tmp_path):
     out = tmp_path / "run"
