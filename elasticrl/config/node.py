@@ -176,10 +176,12 @@ def _finite(key: str, value: Any) -> Any:
 def _toml_line(path, exc: Exception) -> str:
     """The text of the line a TOML error points at (tomllib's message gives only its number)."""
     m = re.search(r"at line (\d+)", str(exc))
+    if m is None:
+        return ""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-        return f": {lines[int(m.group(1)) - 1].strip()[:200]!r}" if m else ""
+        return f": {lines[int(m.group(1)) - 1].strip()[:200]!r}"
     except (OSError, IndexError):
         return ""
 

@@ -410,8 +410,8 @@ class SchedulerCore(ResultBook):
         now = self.clock()
         batches: dict[int, list] = collections.defaultdict(list)
         touched: dict[int, tuple[Iteration, set[str]]] = {}
-        backups_next = [it for it in open_its if freed_only and it.queue and it.config.policy is Policy.DYNAMIC
-                        and it.config.backup_tasks > it.counters.backups_issued]
+        backups_next = [it for it in open_its if it.queue and it.config.policy is Policy.DYNAMIC
+                        and it.config.backup_tasks > it.counters.backups_issued] if freed_only else []
         progress = True
         while progress:
             progress = False
@@ -603,7 +603,8 @@ class SchedulerCore(ResultBook):
             if self.store.forget(run_id, iteration):  # in memory: nothing to read them back from
                 it.shard_of.clear()
         # The newest number stays too: it is the run's current iteration (``latest``, the metrics).
-        old = [i for i in sealed[:-self.keep_iterations] if i not in unfetched and i != max(its)]
+        newest = max(its, default=None)
+        old = [i for i in sealed[:-self.keep_iterations] if i not in unfetched and i != newest]
         if not old:
             return
         upto = max(self._dropped_upto.get(run_id, -1), *old)

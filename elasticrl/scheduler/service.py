@@ -289,18 +289,17 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         try:
             async for raw in _read_ahead(requests):
                 batch = _result_batch(conn, raw)
+                if batch is None:
+                    # Not results, or results in a form framing leaves to protobuf (an unknown
+                    # field beside them, a long key, a batch in pieces): the parsed message.
+                    request = _parsed(raw)
+                    batch = _result_batch(conn, request)
                 if batch is not None:  # acked once committed (an error instead ends the stream)
                     groups, invalid, batch_id = batch
                     await self.results.submit(conn, groups, request_id("results.batch_id", batch_id), invalid)
                     continue
-                request = _parsed(raw)
                 kind = request.WhichOneof("kind")
-                if kind == "results":
-                    # Bytes protobuf reads as results in a form framing leaves to it (an unknown
-                    # field beside them, a long key, a batch in two pieces): the parsed message.
-                    groups, invalid, batch_id = _result_batch(conn, request)
-                    await self.results.submit(conn, groups, request_id("results.batch_id", batch_id), invalid)
-                elif kind == "release":
+                if kind == "release":
                     r = request.release
                     self.core.release(
                         conn, r.iteration, list(r.task_ids), v.text("release.reason", r.reason, v.MAX_REASON_LEN),

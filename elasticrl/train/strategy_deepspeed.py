@@ -257,7 +257,6 @@ class DeepSpeedStrategy:
         return {"state": state, "param_groups": groups}
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-
         saved = {int(i): slots for i, slots in state["state"].items()}
         groups = list(state["param_groups"])
         if [len(g["params"]) for g in groups] != self._group_sizes:
