@@ -237,6 +237,8 @@ def http_get(opener: urllib.request.OpenerDirector, url: str, *, timeout_s: floa
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ContentServerError(f"GET {url} failed after at most {timeout_s} s: {reason}") from exc
+    except ValueError as exc:  # http.client.InvalidURL: a control character or space in the url
+        raise ContentServerError(f"GET {url!r}: not a valid URL: {exc}") from exc
 
 
 def direct_opener() -> urllib.request.OpenerDirector:

@@ -183,7 +183,10 @@ class WebEnv:
 
     def _fetch(self, path: str) -> WebPage:
         base = self._ensure_server()
-        body = _textgen.http_get(self._opener, base + path, timeout_s=self.http_timeout_s)
+        # Quoted: a row's ``start`` may hold spaces or non-ASCII characters, which http.client
+        # refuses in a URL (the handler unquotes it); '%' stays, so a quoted path is not quoted twice.
+        url = base + urllib.parse.quote(path, safe="/%?=&#+:@!$'()*,;~")
+        body = _textgen.http_get(self._opener, url, timeout_s=self.http_timeout_s)
         return WebPage(path, body.decode("utf-8", errors="replace"))
 
     def _observation(self) -> str:
@@ -249,7 +252,7 @@ def _site_handler(site: dict[str, str]) -> type[_textgen.QuietHandler]:
 
     class SiteHandler(_textgen.QuietHandler):
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-            path = urllib.parse.urlsplit(self.path).path
+            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
             if len(path) > 1:
                 path = path.rstrip("/")
             page = site.get(path)

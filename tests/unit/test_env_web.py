@@ -136,9 +136,17 @@ def test_malformed_rows_name_the_field(env, row, field):
         env.reset(seed=0, options=row)
 
 
-def test_a_start_page_that_does_not_exist_fails_the_episode(env):
+@pytest.mark.parametrize("start", ["/e/9999", "/a b", "/caf\u00e9", "/c/x\ty"])
+def test_a_start_page_that_does_not_exist_fails_the_episode(env, start):
+    # Spaces, tabs and non-ASCII characters are quoted, not refused by http.client as InvalidURL
+    # (which no env error caught): the site answers 404 like any other missing page.
     with pytest.raises(_textgen.ContentServerError, match="404"):
-        env.reset(options={"instance": 0, "start": "/e/9999"})
+        env.reset(options={"instance": 0, "start": start})
+
+
+def test_a_quoted_start_path_reaches_its_page(env):
+    obs, info = env.reset(options={"instance": 0, "start": "/%65/0"})  # %65 is "e"
+    assert info["url"] == "/%65/0" and "links:" in obs
 
 
 def test_make_rows_are_answerable_from_their_start_page():
