@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elasticrl.config import ConfigError
+from elasticrl.train.build_lock import BuildLockWatch
 from elasticrl.train.dist import final_barrier
 from elasticrl.train.strategy import OptimizerFactory, StrategyConfig
 from elasticrl.train.strategy_base import check_state_keys, common_step, json_safe, optimizer_params, owned_cpu_tensors, prepare_model
@@ -86,6 +87,10 @@ class DeepSpeedStrategy:
     # -- set-up ------------------------------------------------------------------------------
 
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
+        with BuildLockWatch():  # DeepSpeed JIT-builds an op at first use, behind a lock a killed build leaves
+            self._wrap(model, optimizer_factory)
+
+    def _wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
         deepspeed = _import_deepspeed()
         from deepspeed.accelerator import get_accelerator
 
