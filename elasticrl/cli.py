@@ -11,13 +11,14 @@ import logging
 import sys
 
 from elasticrl import __version__
+from elasticrl.config.base import check_address, seconds_arg
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default="127.0.0.1:50051", metavar="HOST:PORT", help="coordinator address (default: %(default)s)")
     p.add_argument("--token-file", help="file holding the shared token (default: $ELASTICRL_TOKEN if set)")
     p.add_argument("--tls-ca", help="PEM CA bundle to verify a TLS coordinator")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-call deadline, seconds (default: %(default)s)")
+    p.add_argument("--timeout", type=seconds_arg, default=10.0, metavar="S", help="per-call deadline, seconds (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,18 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         return _coordinator(args)
     if args.command == "session-relay":
         return _relay(args)
-    from elasticrl.coordinator.client import resolve_token
     from elasticrl.errors import ElasticRLError
     from elasticrl.scheduler.client import SchedulerClient
 
+    token = _token(args)
     try:
-        with SchedulerClient(
-            args.coordinator,
-            token=resolve_token(None, args.token_file),
-            tls_ca=args.tls_ca,
-            call_timeout_s=args.timeout,
-            reconnect_timeout_s=args.timeout,
-        ) as client:
+        check_address(args.coordinator, "--coordinator")
+        client = SchedulerClient(args.coordinator, token=token, tls_ca=args.tls_ca, call_timeout_s=args.timeout,
+                                 reconnect_timeout_s=args.timeout)
+    except ValueError as exc:  # the address or the CA bundle; the message names the field
+        print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             if args.command == "status":
                 data = client.status(args.run, include_departed=args.all)
                 for run in data.get("runs") or []:  # the scheduler's newest iteration, if any
@@ -133,16 +135,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The client token (``--token-file``, else $ELASTICRL_TOKEN); an unreadable file exits 2."""
+    from elasticrl.coordinator.client import resolve_token
+
+    try:
+        return resolve_token(None, args.token_file)
+    except OSError as exc:
+        print(f"elasticrl {args.command}: --token-file: cannot read {args.token_file}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _relay(args: argparse.Namespace) -> int:
     import asyncio
     import os
     import signal
     import socket
 
-    from elasticrl.coordinator.client import resolve_token
     from elasticrl.coordinator.session_relay import SessionRelay
 
-    if os.path.exists(args.socket):  # a socket nobody serves any more (a killed relay's) is replaced
+    import stat
+
+    problem = None
+    if not args.socket:
+        problem = "must be a path"
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(args.socket))):
+        problem = f"the directory of {args.socket} does not exist"
+    elif os.path.lexists(args.socket) and not stat.S_ISSOCK(os.lstat(args.socket).st_mode):
+        problem = f"{args.socket} exists and is not a socket (left alone: remove it, or pick another path)"
+    if problem:
+        print(f"elasticrl session-relay: --socket: {problem}", file=sys.stderr)
+        return 2
+    if os.path.lexists(args.socket):  # a socket nobody serves any more (a killed relay's) is replaced
         probe = socket.socket(socket.AF_UNIX)
         try:
             probe.connect(args.socket)
@@ -156,9 +180,15 @@ def _relay(args: argparse.Namespace) -> int:
         finally:
             probe.close()
 
+    token = _token(args)
+    try:
+        check_address(args.coordinator, "--coordinator")
+    except ValueError as exc:
+        print(f"elasticrl session-relay: {exc}", file=sys.stderr)
+        return 2
+
     async def serve() -> None:
-        relay = SessionRelay(args.coordinator, token=resolve_token(None, args.token_file), tls_ca=args.tls_ca,
-                             call_timeout_s=args.timeout)
+        relay = SessionRelay(args.coordinator, token=token, tls_ca=args.tls_ca, call_timeout_s=args.timeout)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -172,8 +202,11 @@ def _relay(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve())
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:  # the address or the CA bundle; the message names the field
         print(f"elasticrl session-relay: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"elasticrl session-relay: --socket {args.socket}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -195,8 +228,8 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         if args.slots < 0:
             raise cfgmod.ConfigError(f"--slots: {args.slots} must be >= 1 (or 0: the config's rollout.slots)")
-        if not args.weight > 0:
-            raise cfgmod.ConfigError(f"--weight: {args.weight} must be > 0 (a share of the static policy)")
+        if not 0 < args.weight < float("inf"):
+            raise cfgmod.ConfigError(f"--weight: {args.weight} must be a finite number > 0 (a share of the static policy)")
         cfg = cfgmod.load_config(args.config, cfgmod.parse_overrides(overrides))
         if args.coordinator:
             cfg = dataclasses.replace(cfg, coordinator=dataclasses.replace(cfg.coordinator, address=args.coordinator))
@@ -222,11 +255,15 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
+    import math
+
     from elasticrl.coordinator import malloc
-    from elasticrl.coordinator.persist import StateDirInUseError
+    from elasticrl.coordinator.persist import StateDBError
     from elasticrl.coordinator.server import CoordinatorConfig, serve
 
     try:
+        if not (math.isfinite(args.max_message_mb) and 1 <= args.max_message_mb < 2048):
+            raise ValueError(f"--max-message-mb: {args.max_message_mb} must be a number of MiB in [1, 2048) (max_message_bytes)")
         config = CoordinatorConfig(
             host=args.host,
             port=args.port,
@@ -253,7 +290,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         malloc.tune()
         malloc.tune_gc()
         asyncio.run(serve(config))
-    except (ValueError, OSError, StateDirInUseError) as exc:
+    except (ValueError, OSError, StateDBError) as exc:
         print(f"elasticrl coordinator: {exc}", file=sys.stderr)
         return 2
     return 0

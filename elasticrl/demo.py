@@ -28,6 +28,7 @@ import threading
 import time
 
 from elasticrl import config as cfgmod  # pure Python: the demo process never imports torch
+from elasticrl.config.base import seconds_arg
 from elasticrl.coordinator.launch import coordinator_command, wait_for_port
 from elasticrl.rl.tasks import TASKS
 from elasticrl.rl.workload import workload_name
@@ -43,6 +44,9 @@ PLAIN_RE = re.compile(r"^(warm-up |exported )")
 NOTABLE_RE = re.compile(r" (WARNING|ERROR|CRITICAL) node=| resumed from iteration ")
 NOTABLE_WIDTH = 200
 COORDINATOR_START_S = 30
+# Local nodes at most: each is a torchrun agent and a worker process on this machine (a typo such
+# as --nodes 100000 would start that many).
+MAX_NODES = 256
 STOP_GRACE_S = 10
 
 
@@ -68,8 +72,8 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
         "--rdzv-backend", choices=["auto", "elasticrl", "c10d"], default="auto",
         help="torchrun rendezvous: auto picks elasticrl when its plugin is installed, else c10d (default: %(default)s)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after this many seconds (default: %(default)s)")
-    p.add_argument("--lease-ttl", type=float, default=3.0, metavar="S", help="coordinator lease, seconds (default: %(default)s)")
+    p.add_argument("--timeout", type=seconds_arg, default=600.0, metavar="S", help="give up after this many seconds (default: %(default)s)")
+    p.add_argument("--lease-ttl", type=seconds_arg, default=3.0, metavar="S", help="coordinator lease, seconds (default: %(default)s)")
     p.add_argument(
         "--metrics-port", type=int, metavar="PORT",
         help="the coordinator also serves Prometheus metrics on 127.0.0.1:PORT (curl it during the run; default: off)",
@@ -477,8 +481,8 @@ def node_overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.nodes < 1:
-        parser.error(f"--nodes: {args.nodes} must be at least 1")
+    if not 1 <= args.nodes <= MAX_NODES:
+        parser.error(f"--nodes: {args.nodes} must be between 1 and {MAX_NODES} (each is a torchrun agent and a worker on this machine)")
     if args.rollout_workers < 0:
         parser.error(f"--rollout-workers: {args.rollout_workers} must be >= 0")
     node_args = node_overrides(args)
@@ -513,7 +517,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
     # where the previous run keeps its own --nnodes; the checkpoints carry over all the same.
     run_dir = args.out or config.run.run_dir or os.path.join("runs", run_id)
     demo = Demo(args, run_dir=run_dir, run_id=run_id, backend=backend, env=env)
-    os.makedirs(demo.logs, exist_ok=True)
+    try:
+        os.makedirs(demo.logs, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out: cannot create the run directory {run_dir} ({exc.strerror or exc}: {exc.filename or demo.logs})")
     started = time.monotonic()
 
     def on_sigterm(signum, frame):

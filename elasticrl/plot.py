@@ -20,21 +20,25 @@ def plot_rewards(metrics_path: str, png_path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib, or pip install -e '.[demo]')"
     records = []
-    with open(metrics_path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # blank, or torn by a kill mid-write
-    records = [r for r in records if isinstance(r, dict) and "iteration" in r]
+    try:
+        with open(metrics_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # blank, or torn by a kill mid-write
+    except OSError as exc:
+        return f"cannot read {metrics_path}: {exc.strerror or exc}"
+    records = [r for r in records if isinstance(r, dict) and "iteration" in r and "reward_mean" in r]
     if not records:
-        return f"{metrics_path} has no records"
+        return f"{metrics_path} has no records (lines with iteration and reward_mean)"
     by_iteration = {r["iteration"]: r for r in records}  # a redone iteration: its last record wins
     its = sorted(by_iteration)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(its, [by_iteration[i]["reward_mean"] for i in its], marker="o", ms=3, label="mean reward")
-    ax.plot(its, [by_iteration[i]["exact_fraction"] for i in its], ls="--", label="exact-match fraction")
-    worlds = [by_iteration[i]["world_size"] for i in its]
+    if any("exact_fraction" in by_iteration[i] for i in its):
+        ax.plot(its, [by_iteration[i].get("exact_fraction", float("nan")) for i in its], ls="--", label="exact-match fraction")
+    worlds = [by_iteration[i].get("world_size") for i in its]
     for k in range(1, len(its)):
         if worlds[k] != worlds[k - 1]:
             ax.axvline(its[k] - 0.5, color="grey", lw=0.8)
@@ -46,8 +50,12 @@ def plot_rewards(metrics_path: str, png_path: str) -> str | None:
     ax.legend(loc="upper left")
     ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))
     fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    try:
+        fig.savefig(png_path, format="png")
+    except OSError as exc:
+        return f"cannot write {png_path}: {exc.strerror or exc}"
+    finally:
+        plt.close(fig)
     return None
 
 

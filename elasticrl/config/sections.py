@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from elasticrl.config.base import _check
+from elasticrl.config.base import _check, check_address
 
 RL_PHASES = ("both", "rollout", "update")
 
@@ -61,10 +61,8 @@ class CoordinatorSection:
     """How long to retry an unreachable coordinator (e.g. while it restarts), seconds."""
 
     def __post_init__(self) -> None:
-        _check(
-            not self.address or ":" in self.address,
-            f"coordinator.address: {self.address!r} must be HOST:PORT (e.g. 127.0.0.1:50051)",
-        )
+        if self.address:
+            check_address(self.address, "coordinator.address")
         _check(self.barrier_timeout_s > 0, f"coordinator.barrier_timeout_s: {self.barrier_timeout_s} must be > 0 seconds")
         _check(self.call_timeout_s > 0, f"coordinator.call_timeout_s: {self.call_timeout_s} must be > 0 seconds")
         _check(

@@ -76,6 +76,8 @@ def error_from_status(
         return cls(f"coordinator at {address} is unreachable: {message}")
     if cls is errors.AuthError:
         return cls(f"coordinator at {address} refused the call: {message} (check --token-file / ELASTICRL_TOKEN)")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED and not class_name:  # the client's own deadline, not an answer
+        return cls(f"coordinator at {address} did not answer within the call's deadline: {message}")
     return cls(message)
 
 

@@ -50,7 +50,12 @@ READS_SCHEMA = (1, 2)
 LOCK_WAIT_S = 1.0
 
 
-class StateDirInUseError(RuntimeError):
+class StateDBError(RuntimeError):
+    """The state database cannot be used: not a database, unreadable, or written by another
+    version; the message names the file and what to do."""
+
+
+class StateDirInUseError(StateDBError):
     """Another process holds the state database (a coordinator still running on the same dir)."""
 
 _SCHEMA = """
@@ -84,24 +89,30 @@ class StateDB:
         # path None: an in-memory database (tests and benchmarks that do not need durability).
         self.path = None if path is None else pathlib.Path(path)
         target = ":memory:" if path is None else str(path)
-        self._conn = sqlite3.connect(target, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT_S)
+        try:
+            self._conn = sqlite3.connect(target, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT_S)
+        except sqlite3.Error as exc:  # a directory in its place, no permission
+            raise StateDBError(f"{path}: cannot open the state database ({exc}); check --state-dir") from None
         try:
             if path is not None:  # before WAL mode is entered: then no -shm mapping is used
                 self._conn.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
             self._conn.executescript(_SCHEMA)  # takes the lock, held until close()
-        except sqlite3.OperationalError as exc:
+            version = self._meta("schema_version")
+        except sqlite3.DatabaseError as exc:
             self._conn.close()
-            if "locked" not in str(exc):
-                raise
-            raise StateDirInUseError(
-                f"{path}: the state database is locked by another process or connection (a coordinator still running on this "
-                "--state-dir?); stop it first, or give this one another --state-dir"
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise StateDirInUseError(
+                    f"{path}: the state database is locked by another process or connection (a coordinator still running "
+                    "on this --state-dir?); stop it first, or give this one another --state-dir"
+                ) from None
+            raise StateDBError(
+                f"{path}: not a usable coordinator state database ({exc}); move it away, or start with another --state-dir"
             ) from None
-        version = self._meta("schema_version")
-        if version is not None and int(version) not in READS_SCHEMA:
-            raise RuntimeError(
+        if version is not None and (not str(version).isdigit() or int(version) not in READS_SCHEMA):
+            self._conn.close()
+            raise StateDBError(
                 f"{path}: state schema version {version}, this coordinator reads "
                 f"{', '.join(map(str, READS_SCHEMA))}; start with a fresh --state-dir (or the coordinator that wrote it)"
             )

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "elasticrl.v1.Coordinator"
 MAX_MESSAGE_BYTES = 64 << 20
+# The longest member lease (and stream grace) a coordinator takes, seconds: a day.
+MAX_LEASE_TTL_S = 86400.0
 TRAJECTORY_DIR = "trajectories"
 STATE_FILE = "coordinator.sqlite"
 
@@ -124,10 +126,11 @@ class CoordinatorConfig:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port (0-65535; 0 picks a free one)")
         if self.metrics_port_file is not None and self.metrics_port is None:
             raise ValueError("metrics_port_file: needs metrics_port (pass --metrics-port, 0 for a free one)")
-        if self.lease_ttl_s < 0.1:
-            raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s is too short; use at least 0.1 s")
-        if self.stream_grace_s < 0:
-            raise ValueError(f"stream_grace_s: {self.stream_grace_s}s must be >= 0 (0: evict at the next tick)")
+        if not 0.1 <= self.lease_ttl_s <= MAX_LEASE_TTL_S:  # nan fails too
+            raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s must be between 0.1 s and {MAX_LEASE_TTL_S:g} s (a day)")
+        if not 0 <= self.stream_grace_s <= MAX_LEASE_TTL_S:
+            raise ValueError(f"stream_grace_s: {self.stream_grace_s}s must be between 0 (evict at the next tick) and "
+                             f"{MAX_LEASE_TTL_S:g} s")
         if not 0.001 <= self.tick_s <= self.lease_ttl_s:
             raise ValueError(f"tick_s: {self.tick_s}s must be between 1 ms and the lease TTL ({self.lease_ttl_s}s)")
         if not 1 << 20 <= self.max_message_bytes <= 2**31 - 1:
@@ -146,6 +149,10 @@ class CoordinatorConfig:
             raise ValueError(f"max_weight_uploads: {self.max_weight_uploads} must be >= 1 (uploads received at once)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: pass both or neither")
+        for name in ("port_file", "metrics_port_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"{name}: the directory of {path} does not exist")
 
     def read_token(self) -> str | None:
         if self.token_file is None:
@@ -160,7 +167,25 @@ class CoordinatorConfig:
 
 
 def read_tls(cert: str, key: str) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())])
+    """Server credentials from PEM files, checked first: gRPC reports a certificate it cannot use
+    only as a failed bind (which read as "the port is in use").
+
+    Raises:
+        ValueError: a file cannot be read, or they are not a PEM certificate chain and its key.
+    """
+    import ssl
+
+    data = {}
+    for name, path in (("tls_cert", cert), ("tls_key", key)):
+        try:
+            data[name] = pathlib.Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{name}: cannot read {path!r}: {exc.strerror or exc}") from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"tls_cert/tls_key: {cert} and {key} are not a PEM certificate chain and its private key ({exc})") from None
+    return grpc.ssl_server_credentials([(data["tls_key"], data["tls_cert"])])
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -280,9 +305,10 @@ class CoordinatorServer:
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{config.host}:{config.port}"
+        credentials = read_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
         try:
-            if config.tls_cert:
-                self.port = self.server.add_secure_port(address, read_tls(config.tls_cert, config.tls_key))
+            if credentials is not None:
+                self.port = self.server.add_secure_port(address, credentials)
             else:
                 self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # grpc reports a failed bind this way
@@ -306,7 +332,7 @@ class CoordinatorServer:
             )
             self.metrics_endpoint.start()
             if self.config.metrics_port_file:
-                write_port_file(self.config.metrics_port_file, self.metrics_endpoint.port)
+                write_port_file(self.config.metrics_port_file, self.metrics_endpoint.port, "metrics_port_file")
             log.info("metrics on http://%s/metrics (no token check)", self.metrics_endpoint.address)
         await self.server.start()
         for service in ("", SERVICE_NAME):
@@ -341,7 +367,8 @@ class CoordinatorServer:
             due = loop.time() + self.config.tick_s
             await asyncio.sleep(self.config.tick_s)
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float = 2.0, *, announce: bool = True) -> None:
+        """Stop serving (``announce``: log it; not for a start that failed, whose error says why)."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -359,17 +386,25 @@ class CoordinatorServer:
             await asyncio.to_thread(self.metrics_endpoint.stop)
         self.scheduler.save_counters()  # what the last tick had not written yet (it logs a failure)
         self.db.close()
-        log.info("elasticrl coordinator on %s stopped", self.address)
+        if announce:
+            log.info("elasticrl coordinator on %s stopped", self.address)
 
     async def wait_closed(self) -> None:
         await self._stopped.wait()
 
 
-def write_port_file(path: str, port: int) -> None:
-    """Write ``port`` to ``path`` atomically: a reader sees no file or the whole number."""
+def write_port_file(path: str, port: int, name: str = "port_file") -> None:
+    """Write ``port`` to ``path`` atomically: a reader sees no file or the whole number.
+
+    Raises:
+        OSError: it could not be written; the message names ``name`` and the path.
+    """
     tmp = f"{path}.tmp"
-    pathlib.Path(tmp).write_text(f"{port}\n")
-    os.replace(tmp, path)
+    try:
+        pathlib.Path(tmp).write_text(f"{port}\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{name}: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def raise_open_files_limit() -> int:
@@ -396,7 +431,11 @@ async def serve(config: CoordinatorConfig) -> None:
     if 0 <= limit < 4096:
         log.warning("open files limit is %d: fewer than that many members can connect (ulimit -n)", limit)
     server = CoordinatorServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:  # a port file that cannot be written, say: stop what started
+        await server.stop(0, announce=False)
+        raise
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,6 +17,7 @@ import grpc
 import tenacity
 
 from elasticrl._proto import coordinator_pb2 as pb
+from elasticrl.config.base import check_address
 from elasticrl.coordinator.state import BarrierResult, Outcome
 from elasticrl.errors import BarrierTimeoutError
 
@@ -45,8 +46,7 @@ POLICIES = {"evict_missing": pb.TIMEOUT_POLICY_EVICT_MISSING, "report": pb.TIMEO
 
 def open_channel(address: str, tls_ca: str | None, *, aio: bool, max_message_bytes: int = MAX_MESSAGE_BYTES):
     """A (grpc or grpc.aio) channel to ``address``: TLS verified against ``tls_ca`` when given."""
-    if ":" not in address:
-        raise ValueError(f"address: {address!r} must be HOST:PORT")
+    check_address(address)
     mod = grpc.aio if aio else grpc
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -54,9 +54,13 @@ def open_channel(address: str, tls_ca: str | None, *, aio: bool, max_message_byt
     ] + CHANNEL_OPTIONS
     if tls_ca is None:
         return mod.insecure_channel(address, options=options)
-    with open(tls_ca, "rb") as f:
-        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    try:
+        with open(tls_ca, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as exc:
+        raise ValueError(f"tls_ca: cannot read {tls_ca!r}: {exc.strerror or exc}") from None
     return mod.secure_channel(address, creds, options=options)
+
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

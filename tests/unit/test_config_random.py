@@ -214,18 +214,20 @@ class Text:
 
 @dataclasses.dataclass(frozen=True)
 class Address:
-    """coordinator.address: empty, or HOST:PORT (the check is that a ':' is in it)."""
+    """coordinator.address: empty, HOST:PORT with a port in 1-65535, or a gRPC target with a scheme."""
 
     def valid(self, rng: random.Random, override_safe: bool = False) -> str:
         r = rng.random()
         if r < 0.3:
             return ""
-        if r < 0.7:
-            return f"{rng.choice(['127.0.0.1', 'coord', 'node-3.example.com', '[::1]'])}:{rng.randint(1, 65535)}"
-        return gen_text(rng, 0, 5) + ":" + gen_text(rng, 0, 5)
+        if r < 0.8:
+            host = rng.choice(['127.0.0.1', 'coord', 'node-3.example.com', '[::1]', gen_text(rng, 1, 5)])
+            return f"{host}:{rng.randint(1, 65535)}"
+        return rng.choice(["unix:/tmp/coord.sock", "dns:///coord:50051", "ipv4:10.0.0.1:50051"])
 
     def out_of_range(self, rng: random.Random) -> list[Any]:
-        return [t for t in ("localhost", "127.0.0.1", " ", gen_text(rng, 1, 8).replace(":", "") or "x") if ":" not in t]
+        plain = [t for t in ("localhost", "127.0.0.1", " ", gen_text(rng, 1, 8).replace(":", "") or "x") if ":" not in t]
+        return plain + ["coord:0", f"coord:{rng.randint(65536, 10**6)}", ":50051", "coord:port"]
 
 
 @dataclasses.dataclass(frozen=True)
