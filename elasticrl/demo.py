@@ -468,7 +468,7 @@ def run_id_for(config_path: str) -> str:
     """A fresh run id named after the config: ``demo-<time>`` for the bundled demo, else
     ``<config file stem>-<time>`` (``agent-demo-20261125-101500``)."""
     stem = "demo" if os.path.abspath(config_path) == BUNDLED_CONFIG else os.path.splitext(os.path.basename(config_path))[0]
-    stem = re.sub(r"[^A-Za-z0-9._-]", "-", stem).strip("-.") or "run"
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:80].strip("-.") or "run"  # (run.run_id takes 112 characters)
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 

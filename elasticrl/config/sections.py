@@ -9,8 +9,13 @@ import dataclasses
 from typing import Any
 
 from elasticrl.config.base import _check, check_address
+from elasticrl.coordinator import validate
 
 RL_PHASES = ("both", "rollout", "update")
+
+
+# run.run_id's longest: the coordinator's ids take 128 characters, and a run derives others from it.
+MAX_RUN_ID_LEN = 112
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -41,6 +46,13 @@ class RunConfig:
         _check(self.eval_interval >= 0, f"run.eval_interval: {self.eval_interval} must be >= 0 (0 disables evaluation)")
         _check(self.num_threads >= 1, f"run.num_threads: {self.num_threads} must be at least 1")
         _check(-(1 << 63) <= self.seed < 1 << 64, f"run.seed: {self.seed} must be in -2**63..2**64-1 (what torch.manual_seed takes)")
+        # The coordinator's id rule, with room for the runs derived from it ("<run_id>.workers",
+        # "<run_id>.rollout"): refused here, not by the coordinator once every node started.
+        _check(
+            not self.run_id or (len(self.run_id) <= MAX_RUN_ID_LEN and validate.ID_RE.fullmatch(self.run_id) is not None),
+            f"run.run_id: {self.run_id!r} is not a valid id; use 1-{MAX_RUN_ID_LEN} characters of letters, digits and "
+            "._:@=+- starting with a letter or digit",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

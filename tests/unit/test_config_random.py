@@ -213,6 +213,20 @@ class Text:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunId:
+    """run.run_id: empty (the default), or the coordinator's id rule, 1-112 characters."""
+
+    def valid(self, rng: random.Random, override_safe: bool = False) -> str:
+        if rng.random() < 0.2:
+            return ""
+        first = "abcXYZ019"
+        return rng.choice(first) + gen_text(rng, 0, rng.choice([10, 111]), alphabet="abz09._:@=+-")
+
+    def out_of_range(self, rng: random.Random) -> list[Any]:
+        return ["-x", ".x", "a b", "caf\u00e9", "a/b", "a" * 113, gen_text(rng, 1, 5) + "]"]
+
+
+@dataclasses.dataclass(frozen=True)
 class Address:
     """coordinator.address: empty, HOST:PORT with a port in 1-65535, or a gRPC target with a scheme."""
 
@@ -293,7 +307,7 @@ class FloatList:
 
 F, I = float, int
 SPECS: dict[tuple[str, str], Any] = {
-    ("run", "run_id"): Text(),
+    ("run", "run_id"): RunId(),
     ("run", "run_dir"): Text(),
     ("run", "iterations"): Num(I, 1),
     # No documented range; torch.manual_seed takes [-2**63, 2**64): test_bug_seed_outside_torchs_range_is_accepted.
