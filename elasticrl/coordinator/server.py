@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "elasticrl.v1.Coordinator"
 MAX_MESSAGE_BYTES = 64 << 20
-# The longest member lease (and stream grace) a coordinator takes, seconds: a day.
-MAX_LEASE_TTL_S = 86400.0
+# The longest default member lease (and stream grace) a coordinator takes, seconds: the longest a
+# member may ask for in its Join (an hour).
+MAX_LEASE_TTL_S = validate.MAX_LEASE_TTL_MS / 1000
 TRAJECTORY_DIR = "trajectories"
 STATE_FILE = "coordinator.sqlite"
 
@@ -127,7 +128,7 @@ class CoordinatorConfig:
         if self.metrics_port_file is not None and self.metrics_port is None:
             raise ValueError("metrics_port_file: needs metrics_port (pass --metrics-port, 0 for a free one)")
         if not 0.1 <= self.lease_ttl_s <= MAX_LEASE_TTL_S:  # nan fails too
-            raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s must be between 0.1 s and {MAX_LEASE_TTL_S:g} s (a day)")
+            raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s must be between 0.1 s and {MAX_LEASE_TTL_S:g} s (an hour)")
         if not 0 <= self.stream_grace_s <= MAX_LEASE_TTL_S:
             raise ValueError(f"stream_grace_s: {self.stream_grace_s}s must be between 0 (evict at the next tick) and "
                              f"{MAX_LEASE_TTL_S:g} s")

@@ -130,8 +130,7 @@ def capabilities(field: str, value: dict[str, str]) -> dict[str, str]:
 
 
 def key(field: str, value: bytes) -> bytes:
-    if not value:
-        raise InvalidRequestError(f"{field}: must not be empty")
+    """A KV key: any bytes up to ``MAX_KEY_BYTES``, the empty key too (torch's stores take it)."""
     if len(value) > MAX_KEY_BYTES:
         raise InvalidRequestError(f"{field}: {len(value)} bytes, at most {MAX_KEY_BYTES} allowed")
     return bytes(value)

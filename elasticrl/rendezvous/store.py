@@ -8,7 +8,13 @@ process hosts the store: any node may die without taking the store with it.
 
 Semantics follow ``TCPStore``: ``get``/``wait``/``multi_get`` block until the keys exist and raise
 ``torch.distributed.DistStoreError`` after the timeout (``set_timeout``, or the ``wait`` argument;
-a zero timeout means no timeout); an unreachable coordinator raises ``DistNetworkError``.
+a zero timeout means no timeout, as in ``HashStore``: torch 2.13's ``TCPStore`` fails at once); an
+unreachable coordinator raises ``DistNetworkError``. Keys and values are bytes or str (an int is a
+``TypeError``, as in torch, not that many zero bytes); ``add`` takes an int. Where torch's stores
+differ on purpose: a value over the coordinator's ``--max-kv-value-bytes`` (1 MiB) is refused, and
+``add`` on a value that is not a whole decimal number raises ``ValueError`` (torch's ``stoll`` reads
+its leading digits). Calls with more than ``validate.MAX_BATCH`` (4096) keys go in parts: each part
+of a ``multi_set`` is atomic, not the whole.
 
 Python subclasses of ``torch.distributed.Store`` work in torch 2.13 both when Python calls them
 and when C++ does (through ``PrefixStore`` or a process group): the C++ trampoline looks up
@@ -32,6 +38,7 @@ import time
 import torch.distributed as dist
 
 from elasticrl.coordinator.client import CoordinatorClient
+from elasticrl.coordinator.validate import MAX_BATCH
 from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableError
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,21 @@ def _bytes(value) -> bytes:
         return value
     if isinstance(value, str):
         return value.encode()
-    return bytes(value)  # list[int] / bytearray / memoryview from C++ callers
+    if isinstance(value, (bytearray, memoryview, list, tuple)):  # list[int] from C++ callers
+        return bytes(value)
+    # bytes(5) is five zero bytes: torch refuses anything but str/bytes here.
+    raise TypeError(f"a store key or value must be str or bytes, not {type(value).__name__}")
+
+
+def _key_list(keys) -> list:
+    if isinstance(keys, (str, bytes)):  # one key where a list is meant: "abc" is not ["a", "b", "c"]
+        raise TypeError(f"keys must be a list of str or bytes, not {type(keys).__name__}")
+    return list(keys)
+
+
+def _parts(items: list) -> list[list]:
+    """``items`` in runs of at most ``validate.MAX_BATCH`` (what one request takes)."""
+    return [items[i:i + MAX_BATCH] for i in range(0, len(items), MAX_BATCH)] or [[]]
 
 
 def _seconds(timeout) -> float:
@@ -90,8 +111,12 @@ class CoordinatorStore(dist.Store):
             return []
         full = [self._key(k) for k in keys]
         timeout_s = self._timeout_s(timeout)
+        deadline = time.monotonic() + timeout_s
         try:
-            return self._client.kv_wait(self._run_id, full, timeout_s)
+            values: list[bytes] = []
+            for part in _parts(full):  # each part waits for what is left of the one timeout
+                values += self._client.kv_wait(self._run_id, part, max(deadline - time.monotonic(), 0.001))
+            return values
         except CoordinatorTimeoutError:
             shown = ", ".join(repr(k.decode(errors="replace")) for k in full[:4])
             raise dist.DistStoreError(
@@ -113,8 +138,12 @@ class CoordinatorStore(dist.Store):
         return self._wait_values([key])[0]
 
     def add(self, key, amount: int) -> int:
+        if isinstance(amount, bool) or not isinstance(amount, int):  # int(1.5) would add 1, int("5") 5
+            raise TypeError(f"add: the amount must be an int, not {type(amount).__name__}")
+        if not -(1 << 63) <= amount < 1 << 63:
+            raise TypeError(f"add: the amount {amount} does not fit in an int64")
         try:
-            return self._client.kv_add(self._run_id, self._key(key), int(amount))
+            return self._client.kv_add(self._run_id, self._key(key), amount)
         except CoordinatorUnavailableError as exc:
             raise self._network_error(exc) from None
 
@@ -128,14 +157,14 @@ class CoordinatorStore(dist.Store):
         return value
 
     def wait(self, keys, timeout=None) -> None:
-        self._wait_values(list(keys), timeout)
+        self._wait_values(_key_list(keys), timeout)
 
     def check(self, keys) -> bool:
-        full = [self._key(k) for k in keys]
+        full = [self._key(k) for k in _key_list(keys)]
         if not full:
             return True
         try:
-            return all(v is not None for v in self._client.kv_get(self._run_id, full))
+            return all(v is not None for part in _parts(full) for v in self._client.kv_get(self._run_id, part))
         except CoordinatorUnavailableError as exc:
             raise self._network_error(exc) from None
 
@@ -157,14 +186,18 @@ class CoordinatorStore(dist.Store):
     getNumKeys = num_keys  # the name torch's C++ trampoline looks up
 
     def multi_get(self, keys) -> list[bytes]:
-        return self._wait_values(list(keys))
+        return self._wait_values(_key_list(keys))
 
     def multi_set(self, keys, values) -> None:
-        keys, values = list(keys), list(values)
+        keys, values = _key_list(keys), _key_list(values)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values)]
+        if not pairs:
+            return  # as torch's stores: nothing to set
         try:
-            self._client.kv_set(self._run_id, [(self._key(k), _bytes(v)) for k, v in zip(keys, values)])
+            for part in _parts(pairs):
+                self._client.kv_set(self._run_id, part)
         except CoordinatorUnavailableError as exc:
             raise self._network_error(exc) from None
 

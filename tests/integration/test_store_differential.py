@@ -479,13 +479,13 @@ def test_documented_differences(sides, shared_client):  # noqa: F811 - a fixture
         tcp.root.multi_set(["a", "b"], ["1"])
     with pytest.raises(ValueError):
         coord.root.multi_set(["a", "b"], ["1"])
-    # 4. An empty key: TCPStore takes it; the coordinator refuses an empty KV key, which a store
-    # reaches only with an empty prefix (torchrun's stores are prefixed, PrefixStore adds "/").
+    # 4. An empty key: both take it (the coordinator refused an empty KV key, which a store reaches
+    # only with an empty prefix: test_store_random.py's test_BUG_empty_key_refused_with_default_prefix).
     tcp.root.set("", "v")
     assert tcp.root.get("") == b"v"
     bare = CoordinatorStore(shared_client, f"diff-{uuid.uuid4().hex[:8]}", "", timeout_s=1)
-    with pytest.raises(InvalidRequestError, match="must not be empty"):
-        bare.set("", "v")
+    bare.set("", "v")
+    assert bare.get("") == b"v"
     coord.root.set("", "v")  # the "d/" prefix makes it the key "d/"
     assert coord.root.get("") == b"v"
     # 5. A zero wait timeout is torch's Store::kNoTimeout: "no timeout" on ours (store.py's doc);
