@@ -125,8 +125,9 @@ class CoordinatorConfig:
             raise ValueError(f"port: {self.port} is not a TCP port (0-65535)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port (0-65535; 0 picks a free one)")
-        if self.metrics_port_file is not None and self.metrics_port is None:
-            raise ValueError("metrics_port_file: needs metrics_port (pass --metrics-port, 0 for a free one)")
+        for name in ("metrics_port_file", "metrics_host"):
+            if getattr(self, name) is not None and self.metrics_port is None:
+                raise ValueError(f"{name}: needs metrics_port (pass --metrics-port, 0 for a free one)")
         if not 0.1 <= self.lease_ttl_s <= MAX_LEASE_TTL_S:  # nan fails too
             raise ValueError(f"lease_ttl_s: {self.lease_ttl_s}s must be between 0.1 s and {MAX_LEASE_TTL_S:g} s (an hour)")
         if not 0 <= self.stream_grace_s <= MAX_LEASE_TTL_S:
@@ -272,7 +273,10 @@ class CoordinatorServer:
         self.config = config
         state_path = None
         if config.state_dir is not None:
-            os.makedirs(config.state_dir, exist_ok=True)
+            try:
+                os.makedirs(config.state_dir, exist_ok=True)
+            except OSError as exc:
+                raise OSError(f"state_dir: cannot create the directory {config.state_dir}: {exc.strerror or exc}") from None
             state_path = os.path.join(config.state_dir, STATE_FILE)
         self.db = StateDB(state_path, fsync=config.fsync)
         # Counted into whether or not an endpoint serves it; the scheduler core shares the core's.
@@ -405,7 +409,7 @@ def write_port_file(path: str, port: int, name: str = "port_file") -> None:
         pathlib.Path(tmp).write_text(f"{port}\n")
         os.replace(tmp, path)
     except OSError as exc:
-        raise OSError(exc.errno, f"{name}: cannot write {path}: {exc.strerror or exc}") from None
+        raise OSError(f"{name}: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def raise_open_files_limit() -> int:
