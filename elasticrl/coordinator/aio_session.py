@@ -126,6 +126,9 @@ class AsyncSession:
         self._keep_alive_request = pb.KeepAliveRequest(run_id=run_id, member=wire.member_ref(member_id, incarnation))
         self._ids = itertools.count(1)
         self._pending: dict[int, _Op] = {}
+        # (member id, incarnation) -> its keep-alive: the members this session's streams carry.
+        self._attached: dict[tuple[str, int], pb.KeepAliveRequest] = {}
+        self._reopened = False  # a stream was up before: the next one is a reopening
         # Requests for the current stream; None while no stream is open (ops wait in _pending).
         self._outbox: asyncio.Queue | None = None
         self._runner: asyncio.Task | None = None
@@ -158,6 +161,9 @@ class AsyncSession:
         return SessionMember(self, member_id, incarnation)
 
     async def _keep_alive(self, request: pb.KeepAliveRequest) -> int:
+        # A keep-alive attaches its member to the stream (a broken one gets it evicted after the
+        # grace): remembered, so that a reopened stream attaches every member again at once.
+        self._attached[(request.member.member_id, request.member.incarnation)] = request
         resp = await self._op(pb.SessionRequest(keep_alive=request), self.call_timeout_s)
         return resp.keep_alive.epoch
 
@@ -314,6 +320,12 @@ class AsyncSession:
             if not call.done():
                 up = True
                 self._outbox = outbox
+                # Every member kept alive on an earlier stream first: a member is attached to a
+                # stream by a keep-alive, and one whose stream broke is evicted after the stream
+                # grace unless one arrives on a new stream (its answer is not waited for).
+                for request in self._attached.values() if self._reopened else ():
+                    outbox.put_nowait(pb.SessionRequest(id=next(self._ids), keep_alive=request))
+                self._reopened = True
                 for op in list(self._pending.values()):
                     self._send(op)  # in flight when the last stream broke, or queued meanwhile
             async for resp in call:

@@ -408,13 +408,14 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
     def tick(self, stalled_s: float = 0.0) -> None:
         """Evict expired leases and broken streams, decide whatever passed its deadline. Called
         every tick; ``stalled_s``: seconds the coordinator could not listen (``policy.stall_credit``),
-        added to every live lease first."""
+        added to every live lease and open barrier's deadline first."""
         now = self.clock()
         if self._stream_lost:
             self._evict_lost_streams(now)
         for run in list(self.runs.values()):
             if stalled_s:
                 policy.extend_leases(run, stalled_s)
+                policy.extend_barriers(run, stalled_s)
             if now >= run.lease_floor:  # else no lease can have expired: no O(members) scan this tick
                 for m in policy.expired_members(run, now):
                     self._remove(run, m, MemberStatus.EVICTED, f"lease expired ({m.lease_ttl_s:.3f}s without keep-alive)")

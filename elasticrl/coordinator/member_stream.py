@@ -32,7 +32,7 @@ import grpc
 from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.session_relay import RelayCall
-from elasticrl.errors import FencedError
+from elasticrl.errors import CoordinatorTimeoutError, FencedError
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,13 @@ class MemberStream:
 
     def arrive(self, request: pb.ArriveRequest, timeout_s: float) -> pb.SessionResponse | None:
         """Send ``request`` on the stream and wait up to ``timeout_s`` for its answer (an
-        ``arrive`` or an ``error`` response). None when no stream is up, or it broke or stayed
-        silent meanwhile: send the arrival another way."""
+        ``arrive`` or an ``error`` response). None when no stream is up, or it broke meanwhile:
+        send the arrival another way.
+
+        Raises:
+            CoordinatorTimeoutError: the stream stayed up and silent for ``timeout_s``, as a unary
+                call past its deadline (a unary call after it took as long again).
+        """
         answer, rid = _Answer(), next(self._ids)
         with self._lock:
             put = self._put
@@ -79,9 +84,13 @@ class MemberStream:
             put(pb.SessionRequest(id=rid, arrive=request))
         except OSError:  # the relay's connection just went
             answer.done.set()
-        answer.done.wait(timeout_s)
+        answered = answer.done.wait(timeout_s)
         with self._lock:
             self._waiting.pop(rid, None)
+        if not answered and answer.response is None:
+            raise CoordinatorTimeoutError(
+                f"coordinator at {self.client.address} did not answer the arrival at barrier {request.name!r} within {timeout_s:.3f}s"
+            )
         return answer.response
 
     def run(self) -> None:

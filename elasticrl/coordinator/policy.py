@@ -48,6 +48,14 @@ def extend_leases(run: Run, seconds: float) -> None:
             m.lease_deadline += seconds
 
 
+def extend_barriers(run: Run, seconds: float) -> None:
+    """Push back every open barrier's deadline, as ``extend_leases`` does leases: an arrival sent
+    before the deadline may be waiting, unread, in the coordinator's queues after a stall (its
+    member would be evicted as missing)."""
+    for barrier in run.open_barriers.values():
+        barrier.opened_at += seconds  # (its deadline is opened_at + timeout_s)
+
+
 def lease_floor(run: Run) -> float:
     """The earliest lease deadline of a live member (infinity without one)."""
     return min((m.lease_deadline for m in run.members.values() if m.live), default=math.inf)

@@ -359,6 +359,28 @@ def test_time_the_coordinator_could_not_listen_does_not_count_against_leases(cor
     assert core.runs["r"].members["a"].status is MemberStatus.EVICTED
 
 
+def test_a_stall_pushes_back_barrier_deadlines_too_so_an_unread_arrival_counts(core, clock):
+    """A member's arrival sent before a barrier's deadline may sit unread while the coordinator
+    stalls past it: the first tick after the stall must not evict it as missing (it did: only
+    leases were credited). Without a stall the deadline holds."""
+    from elasticrl.coordinator.barriers import Arrival
+
+    a, _ = core.join("r", "a", lease_ttl_s=30.0)
+    b, _ = core.join("r", "b", lease_ttl_s=30.0)
+    (first,) = core.arrive_many([Arrival("r", "a", a.incarnation, "x", timeout_s=1.0)])
+    assert first is None  # waiting for b
+    clock.now += 2.0  # the event loop was busy for 2 s; b's arrival (sent at +0.8 s) sat unread
+    core.tick(stalled_s=2.0)
+    assert core.runs["r"].members["b"].live and core.runs["r"].barriers["x"].result is None
+    (second,) = core.arrive_many([Arrival("r", "b", b.incarnation, "x", timeout_s=1.0)])
+    assert second.outcome is Outcome.COMPLETED and second.arrived == ["a", "b"] and not second.evicted
+    # No stall: a barrier past its deadline evicts the member that did not arrive.
+    core.arrive_many([Arrival("r", "a", a.incarnation, "y", timeout_s=1.0)])
+    clock.now += 1.1
+    core.tick()
+    assert core.runs["r"].members["b"].status is MemberStatus.EVICTED
+
+
 def test_leases_are_scanned_only_once_the_earliest_can_have_expired_and_still_expire_on_time(core, clock):
     a, _ = core.join("r", "a")  # lease until 101.0
     clock.now += 0.5
