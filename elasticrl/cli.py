@@ -151,10 +151,9 @@ def _relay(args: argparse.Namespace) -> int:
     import os
     import signal
     import socket
+    import stat
 
     from elasticrl.coordinator.session_relay import SessionRelay
-
-    import stat
 
     problem = None
     if not args.socket:
@@ -254,7 +253,6 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
-
     import math
 
     from elasticrl.coordinator import malloc

@@ -184,7 +184,9 @@ def read_tls(cert: str, key: str) -> grpc.ServerCredentials:
         except OSError as exc:
             raise ValueError(f"{name}: cannot read {path!r}: {exc.strerror or exc}") from None
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        # An empty password: an encrypted key fails here (gRPC cannot use one) instead of OpenSSL
+        # prompting on the terminal for a passphrase.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
     except (ssl.SSLError, OSError) as exc:
         raise ValueError(f"tls_cert/tls_key: {cert} and {key} are not a PEM certificate chain and its private key ({exc})") from None
     return grpc.ssl_server_credentials([(data["tls_key"], data["tls_cert"])])

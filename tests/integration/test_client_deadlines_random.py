@@ -65,7 +65,7 @@ from tests.conftest import CoordinatorProcess
 
 pytestmark = [pytest.mark.integration]
 
-SEEDS = int(os.environ.get("CLIENT_DEADLINE_SEEDS", "3"))
+SEEDS = int(os.environ.get("CLIENT_DEADLINE_SEEDS", "2"))
 
 LEASE_TTL_S = 2.0  # the coordinator's --lease-ttl (Memberships join with it)
 CALL_TIMEOUT_S = 1.0  # every client's call_timeout_s
