@@ -62,7 +62,6 @@ def open_channel(address: str, tls_ca: str | None, *, aio: bool, max_message_byt
     return mod.secure_channel(address, creds, options=options)
 
 
-
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 

@@ -68,7 +68,7 @@ def _key_list(keys) -> list:
 
 def _parts(items: list) -> list[list]:
     """``items`` in runs of at most ``validate.MAX_BATCH`` (what one request takes)."""
-    return [items[i:i + MAX_BATCH] for i in range(0, len(items), MAX_BATCH)] or [[]]
+    return [items[i:i + MAX_BATCH] for i in range(0, len(items), MAX_BATCH)]
 
 
 def _seconds(timeout) -> float:

@@ -45,8 +45,6 @@ import logging
 import os
 import random
 import signal
-import socket
-import struct
 import sys
 import threading
 import time
@@ -62,6 +60,7 @@ from elasticrl.coordinator.wire import CLOSE_WAIT_S, DEADLINE_SLACK_S
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import TaskSpec
 from tests.conftest import CoordinatorProcess
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
 
@@ -181,84 +180,11 @@ def fault_plan(rng: random.Random, n: int) -> list[Fault]:
     return plan
 
 
-class Proxy:
-    """A TCP proxy in front of the coordinator for the actors' clients, which can drop what the
-    coordinator sends back (``lose``) and reset every connection through it. While the coordinator
-    is down a new connection is accepted and closed at once (the client retries)."""
-
-    def __init__(self, coordinator: CoordinatorProcess):
-        self.coordinator = coordinator
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.1)
-        self.port = self.listener.getsockname()[1]
-        self.address = f"127.0.0.1:{self.port}"
-        self.drop_replies = False
-        self.closed = False
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.threads: list[threading.Thread] = []
-        self._spawn(self._accept, f"proxy-accept-{self.port}")
-
-    def _spawn(self, target, name, *args) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self.lock:
-            self.threads = [x for x in self.threads if x.is_alive()] + [t]
-        t.start()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            client.settimeout(None)
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.coordinator.port), timeout=2)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.conns += [client, upstream]
-            self._spawn(self._pipe, "proxy-pipe", client, upstream, False)
-            self._spawn(self._pipe, "proxy-pipe", upstream, client, True)
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                if replies and self.drop_replies:
-                    continue
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_RDWR)
-
-    def reset_all(self) -> None:
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for sock in conns:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def close(self) -> None:
-        self.closed = True
-        self.drop_replies = False
-        self.listener.close()
-        self.reset_all()
-        with self.lock:
-            threads = list(self.threads)
-        for t in threads:
-            t.join(5)
-
-
 class Injector:
     """Applies a fault plan to the coordinator from a thread; ``clear`` ends it (SIGCONT, and a
     restart if it is down) and joins the thread. Records when each fault was on."""
 
-    def __init__(self, coordinator: CoordinatorProcess, plan: list[Fault], proxy: Proxy):
+    def __init__(self, coordinator: CoordinatorProcess, plan: list[Fault], proxy: TcpProxy):
         self.coordinator = coordinator
         self.proxy = proxy
         self.plan = plan
@@ -1031,7 +957,7 @@ def test_client_calls_keep_their_deadlines_and_recover_under_coordinator_faults(
     unhandled: list[str] = []
     loop_thread: LoopThread | None = None
     injector: Injector | None = None
-    proxy: Proxy | None = None
+    proxy: TcpProxy | None = None
     sync_actor: SyncActor | None = None
     sync_thread: threading.Thread | None = None
     observer: CoordinatorClient | None = None
@@ -1039,7 +965,7 @@ def test_client_calls_keep_their_deadlines_and_recover_under_coordinator_faults(
     try:
         with trap.installed():
             coordinator.start()
-            proxy = Proxy(coordinator)
+            proxy = TcpProxy(("127.0.0.1", coordinator.port))  # a restart keeps the port
             injector = Injector(coordinator, plan, proxy)
             audit, ledger = Audit(injector), Ledger()
             loop_thread = LoopThread(unhandled)
@@ -1312,10 +1238,10 @@ def test_BUG_async_session_reopened_within_the_grace_still_gets_its_members_evic
     ("its stream broke and did not reopen within 0.500s (the process died?)"), though the session
     reopened it at once and the lease (60 s) is far from over."""
     coordinator = CoordinatorProcess(tmp_path, lease_ttl_s=LEASE_TTL_S)
-    proxy: Proxy | None = None
+    proxy: TcpProxy | None = None
     try:
         coordinator.start()
-        proxy = Proxy(coordinator)
+        proxy = TcpProxy(("127.0.0.1", coordinator.port))  # a restart keeps the port
 
         async def scenario() -> tuple[bool, object]:
             async with AsyncCoordinatorClient(proxy.address, call_timeout_s=CALL_TIMEOUT_S,

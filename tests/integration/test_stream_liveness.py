@@ -6,10 +6,7 @@ the grace evicts nobody."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import socket
-import struct
 import threading
 import time
 
@@ -20,6 +17,7 @@ from elasticrl.coordinator import wire
 from elasticrl.coordinator.client import CoordinatorClient, Membership
 
 from tests.conftest import wait_until
+from tests.tcp_proxy import TcpProxy
 from tests.integration.test_coordinator import members  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
@@ -64,62 +62,10 @@ def test_a_paused_member_keeps_its_stream_and_is_left_to_its_lease(coordinator_f
             m.kill(signal.SIGKILL)
 
 
-class Proxy:
-    """A TCP proxy that can reset every connection through it at once (a network blip). While the
-    target is down, a new connection is accepted and closed at once (the client retries)."""
-
-    def __init__(self, target: tuple[str, int]):
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=2)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_RDWR)
-
-    def reset_all(self) -> int:
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for s in conns:
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
-                s.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads blocked in recv on it
-            s.close()
-        return len(conns)
-
-    def close(self) -> None:
-        self.listener.close()
-        self.reset_all()
-
-
 @pytest.mark.timeout(60)
 def test_a_connection_reset_that_reconnects_within_the_grace_evicts_nobody(coordinator_factory):
     coordinator = coordinator_factory(lease_ttl_s=30.0)
-    proxy = Proxy(("127.0.0.1", coordinator.port))
+    proxy = TcpProxy(("127.0.0.1", coordinator.port))
     try:
         with CoordinatorClient(f"127.0.0.1:{proxy.port}", call_timeout_s=5) as via_proxy, \
                 CoordinatorClient(coordinator.address, call_timeout_s=5) as direct:
