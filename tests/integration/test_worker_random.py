@@ -45,7 +45,7 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import GroupRecord, SampleRecord, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
 from tests.conftest import wait_until
-from tests.integration.test_stream_liveness import Proxy
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
 
@@ -258,7 +258,7 @@ class Handle:
     member: str
     worker: TrackedWorker
     engine: Engine
-    proxy: Proxy
+    proxy: TcpProxy
     future: object = None
     stop: asyncio.Event | None = None
 
@@ -282,7 +282,7 @@ class Cluster:
         member = member or next(self.names)
         slots = self.rng.choice([1, 1, 2, 3])
         engine = Engine(self.book, member, slots, self.rng.choice([0.5, 1.0, 1.0, 2.0]))
-        proxy = Proxy(("127.0.0.1", self.coordinator.port))  # its reset_all() cuts the worker's stream
+        proxy = TcpProxy(("127.0.0.1", self.coordinator.port))  # its reset_all() cuts the worker's stream
         batched = self.rng.random() < 0.3
         worker = TrackedWorker(
             f"127.0.0.1:{proxy.port}", RUN, member,
