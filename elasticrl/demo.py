@@ -113,6 +113,7 @@ def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentPar
         "--rdzv-conf in_place=true) instead of their re-forming the world in place; the default for every strategy "
         "but DDP on gloo, the one that re-forms in place",
     )
+    p.add_argument("--no-plot", action="store_true", help="do not draw RUN_DIR/reward.png at the end (no matplotlib)")
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="extra --section.key=value overrides for every node, after --")
     return p
 
@@ -457,7 +458,7 @@ class Demo:
                 raise RuntimeError(f"gave up after {self.args.timeout:.0f}s (--timeout)")
             if coordinator.proc.poll() is not None:
                 raise RuntimeError(f"the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log_path}")
-            time.sleep(0.5 if victim is None or self.args.kill_phase == "boundary" else 0.01)
+            time.sleep(0.1 if victim is None or self.args.kill_phase == "boundary" else 0.01)
         if silent is not None:
             silent.kill()  # the others are done: the silent host goes for good
         for reader in self.readers:  # print every last line before the summary
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         demo.watch(coordinator, nodes, deadline=started + args.timeout)
         return _summarize(
             demo.run_dir, nodes, args.iterations, time.monotonic() - started, killed=args.kill_at > 0,
-            checkpointed=config.run.rl_phase != "rollout",
+            checkpointed=config.run.rl_phase != "rollout", no_plot=args.no_plot,
         )
     except KeyboardInterrupt:
         print("\nelasticrl demo: interrupted; stopping every process it started", file=sys.stderr)
@@ -589,7 +590,8 @@ def _tail(path: str, lines: int = 25) -> str:
     return ""
 
 
-def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool, checkpointed: bool = True) -> int:
+def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool, checkpointed: bool = True,
+               no_plot: bool = False) -> int:
     """Print the outcome; 0 when the run reached its last iteration and saved a checkpoint of it
     (a rollout-only phase saves none), and some node finished cleanly (a node killed by --kill-at
     is expected to die)."""
@@ -630,6 +632,8 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
     else:
         print("  checkpoint   none (run.rl_phase = rollout trains nothing; its iterations wait for an update phase)")
     print(f"  metrics      {os.path.join(run_dir, 'metrics.jsonl')}")
+    if no_plot:
+        return 0
     from elasticrl.plot import plot_rewards
 
     png = os.path.join(run_dir, "reward.png")

@@ -7,7 +7,9 @@
 Arguments and config are parsed and validated before torch is imported, so ``--help`` and config
 mistakes answer at once. The loop itself lives in ``elasticrl.train.loop``. Exit status: 0 when
 the run is complete, 1 when training failed (torchrun may restart the worker group), 2 for a bad
-config.
+config. After a failure no restart fixes (a bad config, the user's env or reward code failing the
+iteration) the worker asks its agent (elasticrl's backend) to leave the run instead of restarting
+it into the same failure ``--max-restarts`` times.
 """
 
 from __future__ import annotations
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.logging.level.upper(), handlers=[handler], force=True)
     from elasticrl.train import reform
 
+    from elasticrl.env.base import EnvError, EnvLoadError
+    from elasticrl.rl.rewards import RewardError
+
     rc = 0
     try:
         # A dead peer fails our collectives (or our barrier) before torchrun notices; park the
@@ -106,13 +111,37 @@ def main(argv: list[str] | None = None) -> int:
     except cfgmod.ConfigError as exc:
         log.error("%s", exc)
         rc = 2
+        stop_run(config, exc, logctx.node, world.rank)
     except SystemExit as exc:  # torchrun's SIGTERM (train/stop.py)
         rc = exc.code if isinstance(exc.code, int) else 1
+    except (EnvError, EnvLoadError, RewardError) as exc:  # the user's code, failing on every try
+        log.exception("training failed")
+        rc = 1
+        stop_run(config, exc, logctx.node, world.rank)
     except Exception:
         log.exception("training failed")
         rc = 1
     reform.exit_if_abandoned(rc)
     return rc
+
+
+def stop_run(config: cfgmod.NodeConfig, exc: Exception, node: str, rank: int) -> None:
+    """A failure no restart fixes (an env or reward function that raises, a bad config) fails the
+    same way after a restart, and a restart of a real node reloads its model first: ask this
+    node's torchrun agent to leave the run instead (``rendezvous.worker.request_stop``). The other
+    nodes go on without it, or stop for the same failure of their own."""
+    from elasticrl.rendezvous.worker import request_stop
+
+    reason = f"{node} rank {rank}: {type(exc).__name__}: {exc}"
+    try:
+        path = request_stop(reason[:4096])
+    except OSError as err:
+        log.warning("could not ask the torchrun agent to stop (it may restart the workers): %s", err)
+        return
+    if path is None:
+        log.warning("torchrun's rendezvous backend is not elasticrl's: torchrun may restart this worker into the same failure")
+    else:
+        log.error("asked this node's torchrun agent to stop instead of restarting its workers into the same failure")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import contextlib
 import datetime
 import logging
 import os
+import secrets
+import tempfile
 import threading
 import time
 
@@ -46,7 +48,7 @@ from elasticrl.errors import (
 )
 from elasticrl.rendezvous.config import BACKEND, RendezvousConfig
 from elasticrl.rendezvous.store import CoordinatorStore
-from elasticrl.rendezvous.worker import LEASE_TTL_ENV, ROUND_ENV, armed_key
+from elasticrl.rendezvous.worker import LEASE_TTL_ENV, ROUND_ENV, STOP_FILE_ENV, armed_key, take_stop_request
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +162,15 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._armed_round = 0  # the last round whose workers said they re-form in place
         self._left: set[str] = set()  # nodes seen leaving (not lost)
         self._relay: RelayThread | None = None
+        # Where this agent's workers ask it to stop instead of restarting them (worker.request_stop).
+        self.stop_file = os.path.join(tempfile.gettempdir(), f"elasticrl-agent-{os.getpid()}-{secrets.token_hex(4)}.stop")
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
         config = RendezvousConfig.from_params(params)
         export_to_workers(config)
         handler = cls(config)
+        os.environ[STOP_FILE_ENV] = handler.stop_file
         if config.session_relay and not os.environ.get(RELAY_ENV):
             handler._start_relay()
         return handler
@@ -245,7 +250,8 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         """Join the next round and block until it completes with this node in it.
 
         Raises:
-            RendezvousClosedError: the run was closed.
+            RendezvousClosedError: the run was closed, or a worker of this node asked its agent to
+                stop (``worker.request_stop``: it failed in a way no restart fixes).
             RendezvousConnectionError: the coordinator is unreachable (after ``connect_timeout``)
                 or refused the token.
             RendezvousTimeoutError: min nodes did not gather within ``join_timeout`` (a standby,
@@ -255,6 +261,11 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         cfg = self.config
         give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
         standby = False
+        stop = take_stop_request(self.stop_file)
+        if stop is not None:  # torchrun's exception ends the agent; its shutdown() leaves the run
+            log.error("run %s: %s stops instead of restarting its workers: %s", cfg.run_id, cfg.node_id, stop)
+            raise RendezvousClosedError(f"run {cfg.run_id!r}: node {cfg.node_id} stops, its worker failed in a way no "
+                                        f"restart fixes: {stop}")
         with rendezvous_errors(cfg.endpoint, cfg.run_id):
             while True:
                 if self._closed_here:
@@ -424,6 +435,10 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
             except ElasticRLError as exc:
                 log.warning("run %s: leaving failed (%s); the lease will lapse on its own", self.config.run_id, exc)
                 ok = False
+        with contextlib.suppress(OSError):
+            os.remove(self.stop_file)
+        if os.environ.get(STOP_FILE_ENV) == self.stop_file:
+            del os.environ[STOP_FILE_ENV]
         if self._relay is not None:
             self._relay.stop()
             if os.environ.get(RELAY_ENV) == self._relay.path:  # not for workers started later

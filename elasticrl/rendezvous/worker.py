@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LEASE_TTL_ENV = "ELASTICRL_RDZV_LEASE_TTL_S"  # set by the agent's handler, inherited by workers
 ROUND_ENV = "ELASTICRL_RDZV_ROUND"  # the rendezvous round the agent started its workers in
+STOP_FILE_ENV = "ELASTICRL_RDZV_STOP_FILE"  # where a worker asks its agent not to restart it (request_stop)
 
 
 def armed_key(round_no: int) -> bytes:
@@ -80,3 +81,33 @@ def restart_grace(grace_s: float | None = None):
         )
         time.sleep(wait_s)
         raise
+
+
+def request_stop(reason: str) -> str | None:
+    """Ask this node's torchrun agent not to restart its workers after this one fails: the failure
+    is one no restart fixes (a bad config, the user's env or reward code). The agent then leaves
+    the run at its next rendezvous, with ``reason``, instead of spending ``--max-restarts`` on
+    restarts (each reloading the model) that fail the same way; the other nodes go on without it
+    or stop for their own failure. Returns the file written (the agent's, ``STOP_FILE_ENV``), or
+    None under an agent that is not elasticrl's backend, which restarts the workers as before."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if not path:
+        return None
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(reason)
+    os.replace(tmp, path)  # the agent reads a whole reason or none
+    return path
+
+
+def take_stop_request(path: str) -> str | None:
+    """The agent's side of ``request_stop``: the reason a worker left in ``path`` (the file is
+    removed), or None when no worker asked."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            reason = f.read()
+    except FileNotFoundError:
+        return None
+    with contextlib.suppress(OSError):
+        os.remove(path)
+    return reason.strip() or "no reason given"

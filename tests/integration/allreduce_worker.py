@@ -5,7 +5,9 @@ $ELASTICRL_TEST_NODE, set on the torchrun process): ``start`` (pid, rank, world 
 MASTER_ADDR/PORT it bootstraps from), ``ok`` every ``--report-every`` seconds while all-reducing
 (the sum is checked against the world size), ``error`` on a failure, ``done`` on a clean stop.
 A stop is agreed collectively (every step all-reduces a stop flag too), so all ranks leave the
-loop at the same step once ``--stop-file`` exists.
+loop at the same step once ``--stop-file`` exists. Once ``--fatal-file`` holds this node's name,
+its worker fails as user code would that no restart fixes: it asks its agent to stop
+(``request_stop``), reports ``fatal`` and exits 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-every", type=float, default=0.2, help="seconds between 'ok' lines (default: %(default)s)")
     p.add_argument("--grace", type=float, default=-1.0, help="on a collective error wait this long for a restart, seconds; <0: elasticrl's default, 0: exit at once")
     p.add_argument("--stop-file", default="", help="stop cleanly (all ranks together) once this file exists")
+    p.add_argument("--fatal-file", default="", help="fail for good (request_stop, exit 1) once this file holds this node's name")
     p.add_argument("--init-timeout", type=float, default=30.0, help="init_process_group timeout, seconds (default: %(default)s)")
     args = p.parse_args(argv)
 
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from elasticrl.rendezvous.worker import restart_grace
+    from elasticrl.rendezvous.worker import request_stop, restart_grace
 
     torch.set_num_threads(1)
     grace = restart_grace(None if args.grace < 0 else args.grace) if args.grace != 0 else contextlib.nullcontext()
@@ -56,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             report("ready", rank=rank, world=world)
             step, last = 0, 0.0
             stop_file = pathlib.Path(args.stop_file) if args.stop_file else None
+            fatal_file = pathlib.Path(args.fatal_file) if args.fatal_file else None
             while True:
+                if fatal_file is not None and fatal_file.exists() and fatal_file.read_text().strip() == args.node:
+                    asked = request_stop(f"{args.node}: ValueError: a user's bug")
+                    report("fatal", rank=rank, world=world, asked=asked is not None)
+                    return 1
                 flag = 1.0 if stop_file is not None and stop_file.exists() else 0.0
                 t = torch.tensor([1.0, flag])
                 dist.all_reduce(t)

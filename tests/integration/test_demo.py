@@ -25,8 +25,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 DEMO_TIMEOUT_S = 85
 
 
-def run_demo(out, *args: str, timeout_s: float = DEMO_TIMEOUT_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "elasticrl.demo", "--out", str(out), "--lease-ttl", "2", *args]
+def run_demo(out, *args: str, timeout_s: float = DEMO_TIMEOUT_S, plot: bool = False) -> subprocess.CompletedProcess:
+    """The demo with a 2 s lease and, unless ``plot``, no reward.png (matplotlib costs ~1 s a run)."""
+    cmd = [sys.executable, "-m", "elasticrl.demo", "--out", str(out), "--lease-ttl", "2", *([] if plot else ["--no-plot"]), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout_s)
@@ -83,7 +84,7 @@ def load_policy(checkpoint_dir, config_path):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    return out, run_demo(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "2", "--", "--run.eval_interval=2")
+    return out, run_demo(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "2", "--", "--run.eval_interval=2", plot=True)
 
 
 def test_two_nodes_train_log_every_iteration_and_checkpoint(first_run):
@@ -164,7 +165,8 @@ def test_losing_a_node_mid_run_finishes_on_the_survivor(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("phase, strategy", [("rollout", "ddp"), ("update", "ddp"), ("rollout", "deepspeed"), ("update", "deepspeed")])
+# ("update", "deepspeed") is test_a_lost_host_s_shard_comes_from_its_buddy[deepspeed] plus a lost host.
+@pytest.mark.parametrize("phase, strategy", [("rollout", "ddp"), ("update", "ddp"), ("rollout", "deepspeed")])
 def test_three_nodes_lose_one_during_a_phase_and_finish_every_iteration(tmp_path, phase, strategy):
     """SIGKILL one of 3 nodes while iteration k = 4 (or 5) rolls out, after it delivered some
     groups (they must be kept, the ones it held finished by the survivors, and the iteration
@@ -235,6 +237,8 @@ def test_a_lost_host_s_shard_comes_from_its_buddy(tmp_path, strategy):
     iteration 3 (not the checkpoint of iteration 0, there is none before 10), the lost node's
     shard read from a buddy copy; no iteration is redone, the warm-up runs once. With ZeRO-2 the
     shards are slices of the optimizer partitions of a world of 3, loaded into a world of 2."""
+    from elasticrl.train.checkpoint import load_checkpoint
+
     out = tmp_path / "run"
     result = run_demo(
         out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "10", "--kill-at", "4",
@@ -253,6 +257,11 @@ def test_a_lost_host_s_shard_comes_from_its_buddy(tmp_path, strategy):
     assert not [r for r in records if r["iteration"] >= 4 and r["world_size"] == 3]
     assert result.stdout.count("warm-up   10/10") == 1, result.stdout
     assert records[0]["world_size"] == 3 and records[-1]["world_size"] == 2
+    if strategy == "deepspeed":  # its workers are restarted by torchrun, not re-formed in place
+        assert "re-formed in place" not in result.stdout, result.stdout
+    for k in (0, 1):  # the final checkpoint of the world of 2, with its optimizer state, on each survivor
+        final = load_checkpoint(str(out / f"node-{k}" / "checkpoints" / "iter-000006"))
+        assert final.iteration == 6 and final.meta["world_size"] == 2 and final.optimizer_tensors, final.meta
 
 
 @pytest.mark.slow
@@ -292,7 +301,7 @@ def test_a_node_killed_while_writing_its_checkpoint_loses_nothing(tmp_path, stra
     iteration that was being checkpointed (it had finished), and none is redone. Under ZeRO-2 the
     checkpoint gathers the full state (a collective) while the snapshot holds only shards."""
     out = tmp_path / "run"
-    result = run_demo(out, "--nodes", "3", "--iterations", "8", "--checkpoint-every", "1", "--kill-at", "4",
+    result = run_demo(out, "--nodes", "3", "--iterations", "6", "--checkpoint-every", "1", "--kill-at", "4",
                       "--kill-phase", "checkpoint", "--own-checkpoints", "--", f"--trainer.strategy={strategy}", timeout_s=170)
     assert result.returncode == 0, result.stdout
     found = re.search(r"killing node-2 \(SIGKILL, agent and worker\) while the checkpoint of iteration (\d) was being written",
@@ -301,7 +310,7 @@ def test_a_node_killed_while_writing_its_checkpoint_loses_nothing(tmp_path, stra
     c = int(found.group(1))
     assert re.search(rf"resumed from iteration {c} \((snapshot|checkpoint) of rank \d, node node-[01]\)", result.stdout), result.stdout
     records = metrics(out)
-    assert [r["iteration"] for r in records] == list(range(1, 9))  # none redone
+    assert [r["iteration"] for r in records] == list(range(1, 7))  # none redone
     assert records[-1]["world_size"] == 2
 
 
@@ -330,7 +339,7 @@ def test_the_bundled_demo_raises_the_reward_clearly(tmp_path):
     last iterations is far above the first ones'. Across seeds and machines the demo went from
     about 0.08 to above 0.9; the bound leaves room for slower learning on other CPUs."""
     out = tmp_path / "run"
-    result = run_demo(out)
+    result = run_demo(out, plot=True)
     assert result.returncode == 0, result.stdout
     records = metrics(out)
     assert [r["iteration"] for r in records] == list(range(1, 41))

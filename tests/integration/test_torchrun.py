@@ -136,6 +136,32 @@ def test_sigkill_of_one_worker_restarts_the_group(cluster):
     assert all(node.alive() for node in cluster.nodes.values())
 
 
+def test_a_worker_failing_for_good_stops_its_agent_and_the_others_go_on_without_it(cluster):
+    """A failure no restart fixes (the worker calls ``request_stop``, as ``elasticrl.node`` does for
+    a bad config or an env or reward function that raises): its agent leaves the run at once
+    instead of restarting the worker --max-restarts times, with the worker's reason, and the
+    other nodes re-form without it."""
+    from elasticrl.coordinator.client import CoordinatorClient
+
+    _form(cluster)
+    victim = next(n for n in "abc" if cluster.latest(n, "ready")["rank"] != 0)
+    t0 = time.time()
+    cluster.fatal_file.write_text(victim)
+    wait_until(lambda: not cluster.nodes[victim].alive(), 30, message=f"{victim}'s agent to exit")
+    assert cluster.nodes[victim].proc.returncode != 0
+    assert cluster.latest(victim, "fatal")["asked"], cluster.summary()
+    assert len(cluster.nodes[victim].records("start")) == 1, "the agent restarted a worker that asked it not to"
+    assert f"{victim}: ValueError: a user's bug" in cluster.nodes[victim].log_tail(60)
+    survivors = [n for n in "abc" if n != victim]
+    cluster.wait_world(survivors, 2, since=t0, timeout_s=FORM_TIMEOUT_S)
+    assert all(cluster.nodes[n].alive() for n in survivors)
+    with CoordinatorClient(cluster.coordinator.address, call_timeout_s=5) as client:
+        run = client.status("torchrun-test", include_departed=True)["runs"][0]
+    assert not run["snapshot"]["closed"]  # the run goes on; only the node left
+    assert len(run["snapshot"]["members"]) == 2
+    assert [m["state"] for m in run["departed"]] == ["MEMBER_STATE_LEFT"], run["departed"]
+
+
 def test_paused_node_is_fenced_and_rejoins_as_a_new_incarnation(cluster):
     """SIGSTOP a node past its lease: the others stop waiting on its (silent, not closed) sockets
     and re-form; after SIGCONT its agent finds itself fenced and rejoins as a new incarnation."""

@@ -143,6 +143,7 @@ class TorchrunCluster:
         self.workdir = workdir
         (workdir / "out").mkdir(parents=True, exist_ok=True)
         self.stop_file = workdir / "stop"
+        self.fatal_file = workdir / "fatal"  # a node's name written here fails its worker for good
         self.backend = backend
         self.endpoint = endpoint
         self.run_id = run_id
@@ -164,7 +165,8 @@ class TorchrunCluster:
         ]
         if conf:
             cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
-        cmd += [str(WORKER), "--out", str(self.workdir / "out"), "--stop-file", str(self.stop_file), *self.worker_args]
+        cmd += [str(WORKER), "--out", str(self.workdir / "out"), "--stop-file", str(self.stop_file),
+                "--fatal-file", str(self.fatal_file), *self.worker_args]
         env = {
             **os.environ,
             "ELASTICRL_TEST_NODE": name,
