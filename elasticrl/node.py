@@ -97,10 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(logctx)
     logging.basicConfig(level=config.logging.level.upper(), handlers=[handler], force=True)
-    from elasticrl.train import reform
-
     from elasticrl.env.base import EnvError, EnvLoadError
     from elasticrl.rl.rewards import RewardError
+    from elasticrl.rollout.engine import EngineUnavailableError, UnknownEngineError
+    from elasticrl.train import reform
+
+    # The user's code, failing on every try, or a missing engine: a restart fails the same way.
+    fatal = (EnvError, EnvLoadError, RewardError, EngineUnavailableError, UnknownEngineError)
 
     rc = 0
     try:
@@ -111,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     except cfgmod.ConfigError as exc:
         log.error("%s", exc)
         rc = 2
-        stop_run(config, exc, logctx.node, world.rank)
+        stop_node(exc, logctx.node, world.rank)
     except SystemExit as exc:  # torchrun's SIGTERM (train/stop.py)
         rc = exc.code if isinstance(exc.code, int) else 1
-    except (EnvError, EnvLoadError, RewardError) as exc:  # the user's code, failing on every try
+    except fatal as exc:
         log.exception("training failed")
         rc = 1
-        stop_run(config, exc, logctx.node, world.rank)
+        stop_node(exc, logctx.node, world.rank)
     except Exception:
         log.exception("training failed")
         rc = 1
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def stop_run(config: cfgmod.NodeConfig, exc: Exception, node: str, rank: int) -> None:
+def stop_node(exc: Exception, node: str, rank: int) -> None:
     """A failure no restart fixes (an env or reward function that raises, a bad config) fails the
     same way after a restart, and a restart of a real node reloads its model first: ask this
     node's torchrun agent to leave the run instead (``rendezvous.worker.request_stop``). The other
@@ -139,7 +142,8 @@ def stop_run(config: cfgmod.NodeConfig, exc: Exception, node: str, rank: int) ->
         log.warning("could not ask the torchrun agent to stop (it may restart the workers): %s", err)
         return
     if path is None:
-        log.warning("torchrun's rendezvous backend is not elasticrl's: torchrun may restart this worker into the same failure")
+        log.warning("no elasticrl torchrun agent to ask to stop (another rendezvous backend, or no torchrun): "
+                    "torchrun may restart this worker into the same failure")
     else:
         log.error("asked this node's torchrun agent to stop instead of restarting its workers into the same failure")
 

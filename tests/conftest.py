@@ -126,12 +126,27 @@ def _elasticrl_environment():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _free_snapshots():
+def _free_snapshots(tmp_path_factory):
     """Runs that a test stops before they finish keep their snapshots in host memory (a resumed
-    run would need them); free the ones this session made."""
+    run would need them); free the ones this session made: those of run dirs under its base temp
+    directory (``run_root`` names them by the run dir's hash), not another pytest session's on the
+    same machine, whose running demos still need theirs."""
+    from elasticrl.train.snapshot_plan import run_dir_tag
+
     root = pathlib.Path("/dev/shm/elasticrl")
     before = set(root.iterdir()) if root.is_dir() else set()
     yield
-    if root.is_dir():
-        for path in set(root.iterdir()) - before:
+    if not root.is_dir():
+        return
+    new = set(root.iterdir()) - before
+    if not new:
+        return
+    base = tmp_path_factory.getbasetemp()
+    tags = set()
+    for dirpath, dirnames, _ in os.walk(base):  # run dirs sit a few levels down (tmp_path / "run")
+        tags.add(run_dir_tag(dirpath))
+        if len(pathlib.Path(dirpath).relative_to(base).parts) >= 3:
+            dirnames.clear()
+    for path in new:
+        if path.name.rsplit("-", 1)[-1] in tags:
             shutil.rmtree(path, ignore_errors=True)

@@ -38,9 +38,13 @@ def run_root(run_dir: str, run_id: str) -> str:
     if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
         # The run dir in the name too: two runs that share an id (two tests in one second) must
         # never resume from each other's snapshots; a resumed run has the same run dir.
-        tag = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:10]
-        return os.path.join(SHM, "elasticrl", f"{_safe(run_id)}-{tag}")
+        return os.path.join(SHM, "elasticrl", f"{_safe(run_id)}-{run_dir_tag(run_dir)}")
     return os.path.join(run_dir, "snapshots")
+
+
+def run_dir_tag(run_dir: str) -> str:
+    """The run dir's part of ``run_root``'s name: its absolute path, hashed."""
+    return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:10]
 
 
 def default_dir(run_dir: str, run_id: str, node: str) -> str:
