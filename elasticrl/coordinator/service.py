@@ -387,6 +387,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
 
+try:  # what ``context.write`` raises once the client has gone (``context.done()`` is not yet true)
+    from grpc._cython.cygrpc import ExecuteBatchError as _WRITE_FAILED
+except ImportError:  # pragma: no cover - gRPC does not export it; another build may lack it
+    class _WRITE_FAILED(Exception):  # noqa: N801 - never raised: a failed write ends the call as gRPC's does
+        pass
+
+
 def _parsing(impl, request_cls, kind: str):
     """Wrap ``impl`` so undecodable bytes get INVALID_ARGUMENT naming the message type, rather
     than gRPC's default UNKNOWN. ``kind``: "unary", "server_stream", "client_stream" or "bidi" (for
@@ -427,9 +434,20 @@ def _parsing(impl, request_cls, kind: str):
     if kind == "server_stream":
 
         async def stream_handler(raw, context):
+            # Written here rather than yielded to gRPC: a write that fails because the client
+            # went away mid-stream (a worker killed or timed out mid-download) then ends the call
+            # quietly, where gRPC's own write of a yielded message logged it with a traceback.
             request = await parse(raw, context)
-            async for item in impl(request, context):
-                yield item
+            items = impl(request, context)
+            try:
+                async for item in items:
+                    try:
+                        await context.write(item)
+                    except _WRITE_FAILED:
+                        log.debug("%s: the client went away mid-stream", request_cls.DESCRIPTOR.full_name)
+                        return
+            finally:
+                await items.aclose()
 
         return stream_handler
 

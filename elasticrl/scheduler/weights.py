@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -58,6 +59,10 @@ log = logging.getLogger(__name__)
 FORMAT = "safetensors"
 DIR_NAME = "weights"
 CURRENT = "current.json"
+# A coordinator without a state dir keeps its weights in a private temp directory with this prefix,
+# holding an flock on its OWNER_LOCK file for as long as it lives (see remove_orphaned_dirs).
+TMP_PREFIX = "elasticrl-weights-"
+OWNER_LOCK = ".owner.lock"
 UPLOAD_SUFFIX = ".upload.tmp"
 CHUNK_BYTES = 4 << 20
 """Data per ``WeightChunk`` message, well below the default 64 MiB gRPC message limit."""
@@ -258,6 +263,37 @@ class WeightUpload:
         self._store._uploads.discard(self)
 
 
+def hold_owner_lock(directory: pathlib.Path):
+    """Lock ``directory``'s OWNER_LOCK for as long as the returned file stays open (this process's
+    life: the kernel drops an flock when its holder dies, however it dies). Locked before it gets
+    its name, so no sweep ever finds it unlocked while its owner lives."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".owner.", suffix=".tmp")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.replace(tmp, directory / OWNER_LOCK)
+    return os.fdopen(fd, "w")
+
+
+def remove_orphaned_dirs(parent: str | os.PathLike) -> list[str]:
+    """Delete the private weight directories under ``parent`` whose coordinator is gone (SIGKILLed,
+    OOM-killed: nobody removed them): those whose OWNER_LOCK no process holds. Returns them."""
+    removed = []
+    for path in pathlib.Path(parent).glob(TMP_PREFIX + "*"):
+        try:
+            fd = os.open(path / OWNER_LOCK, os.O_RDONLY)
+        except OSError:
+            continue  # being made right now, or not one of these
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its coordinator lives
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+        finally:
+            os.close(fd)
+    return removed
+
+
 class WeightStore:
     """The newest weights of each run, as files: durable under ``root`` when given, else in a
     private temp directory.
@@ -294,9 +330,14 @@ class WeightStore:
             self._load()
         else:
             # Not durable, but still not in memory: under $TMPDIR (so RAM after all if that is a
-            # tmpfs), deleted with this object or at exit.
-            self._tmp = tempfile.TemporaryDirectory(prefix="elasticrl-weights-")
+            # tmpfs), deleted with this object or at exit, or by the next store made on this host
+            # if this process is killed (no exit handler runs then).
+            removed = remove_orphaned_dirs(tempfile.gettempdir())
+            if removed:
+                log.info("removed the weights of %d coordinator(s) that were killed: %s", len(removed), ", ".join(removed))
+            self._tmp = tempfile.TemporaryDirectory(prefix=TMP_PREFIX)
             self.directory = pathlib.Path(self._tmp.name)
+            self._owner = hold_owner_lock(self.directory)
 
     def latest(self, run_id: str) -> WeightBlob | None:
         return self._blobs.get(run_id)
@@ -345,14 +386,26 @@ class WeightStore:
             if not fresh:
                 blob.path.unlink(missing_ok=True)
                 return False
-            try:
-                stored = await asyncio.to_thread(self._install, blob)
-            except BaseException:
-                blob.path.unlink(missing_ok=True)
-                raise
+            # The move into place runs to its end even if the publish is cancelled meanwhile (its
+            # client gone, the coordinator stopping): the thread would finish it anyway, and this
+            # run's blob, current.json and lock must follow it, not a later commit racing it.
+            install = asyncio.ensure_future(asyncio.to_thread(self._install, blob))
+            cancelled = False
+            while True:
+                try:
+                    stored = await asyncio.shield(install)
+                    break
+                except asyncio.CancelledError:
+                    cancelled = True
+                except BaseException:
+                    blob.path.unlink(missing_ok=True)
+                    raise
             self._blobs[blob.run_id] = stored
             self._published.fire(blob.run_id)
             # Only now, with the new blob current: a fetch holding the old one has it open.
+            if cancelled:
+                self._remove_older(stored)
+                raise asyncio.CancelledError
             await asyncio.to_thread(self._remove_older, stored)
         log.info("weights of run %s: version %d stored (%d bytes, sha256 %s)", stored.run_id, stored.version,
                  stored.total_bytes, stored.sha256[:12])

@@ -360,3 +360,64 @@ def test_a_dropped_run_leaves_nothing_behind_and_waiters_leave_no_entry(tmp_path
     store.drop_run(RUN)
     assert store.latest(RUN) is None and not store.run_dir(RUN).exists()
     assert WeightStore(tmp_path).latest(RUN) is None  # nor after a restart
+
+
+def test_a_killed_coordinators_private_weights_are_removed_by_the_next_store(tmp_path, monkeypatch):
+    """Without a state dir the weights live in a temp directory removed at exit; a SIGKILLed
+    coordinator runs no exit handler, so the next store on the host removes what no process holds
+    (its flock died with it), and never a live store's."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read $TMPDIR
+    script = ("import asyncio, os, signal, sys; from elasticrl.scheduler.weights import WeightStore; "
+              "s = WeightStore(None); print(s.directory, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=os.environ)
+    orphan = killed.stdout.strip()
+    assert killed.returncode == -9 and os.path.isdir(orphan), killed
+    live = WeightStore(None)  # removes the orphan
+    assert not os.path.exists(orphan)
+    assert publish(live, 1, blob_of(1))
+    other = WeightStore(None)  # a second live store leaves the first one's weights alone
+    assert live.directory.is_dir() and live.latest(RUN).read_bytes() == blob_of(1)
+    assert other.directory != live.directory
+    stray = tmp_path / "elasticrl-weights-not-one"  # no owner lock: not ours to delete
+    stray.mkdir()
+    WeightStore(None)
+    assert stray.is_dir()
+
+
+def test_a_publish_cancelled_while_its_blob_moves_into_place_still_makes_it_current(tmp_path, monkeypatch):
+    """The client's deadline (or the coordinator stopping) cancels the commit while the thread
+    renames the blob and writes current.json: that thread finishes anyway, so the store must
+    follow it (and hold the run's lock until then), not keep serving the old version."""
+    import threading
+
+    store = WeightStore(tmp_path)
+    assert publish(store, 1, blob_of(1))
+    installing, release = threading.Event(), threading.Event()
+    real = store._install
+
+    def slow_install(blob):
+        installing.set()
+        release.wait(10)
+        return real(blob)
+
+    monkeypatch.setattr(store, "_install", slow_install)
+
+    async def scenario():
+        commit = asyncio.create_task(store.commit(upload(store, 2, blob_of(2))))
+        await asyncio.to_thread(installing.wait, 10)
+        commit.cancel()
+        await asyncio.sleep(0.05)
+        assert not commit.done()  # it waits for the move it started
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+
+    asyncio.run(scenario())
+    assert store.latest(RUN).version == 2 and store.latest(RUN).read_bytes() == blob_of(2)
+    assert json.loads((tmp_path / RUN / CURRENT).read_text())["version"] == 2
+    assert sorted(p.name for p in (tmp_path / RUN).iterdir()) == [CURRENT, f"v{2:020d}.safetensors"]
+    assert WeightStore(tmp_path).latest(RUN).version == 2  # and after a restart
