@@ -24,9 +24,9 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 	$(PY) -m pip install -q -e ".[dev]"
 	# DeepSpeed's setup imports torch, so it builds against the torch installed above.
 	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.16"
-	# Its op that DeepSpeed JIT-builds at first use on CPU (shared-memory comm, ~40-60 s), built
-	# here once instead of inside whichever test or run starts DeepSpeed first.
-	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	# The op DeepSpeed JIT-builds at first use on CPU (shared-memory comm, ~40-60 s), built here
+	# once instead of inside whichever test or run starts DeepSpeed first (CPU even on a GPU host).
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 venv: $(VENV)/.installed

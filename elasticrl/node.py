@@ -7,9 +7,9 @@
 Arguments and config are parsed and validated before torch is imported, so ``--help`` and config
 mistakes answer at once. The loop itself lives in ``elasticrl.train.loop``. Exit status: 0 when
 the run is complete, 1 when training failed (torchrun may restart the worker group), 2 for a bad
-config. After a failure no restart fixes (a bad config, the user's env or reward code failing the
-iteration) the worker asks its agent (elasticrl's backend) to leave the run instead of restarting
-it into the same failure ``--max-restarts`` times.
+config. After a failure restarts do not fix (a bad config at once; the user's env or reward code
+failing the iteration again after one restart) the worker asks its agent (elasticrl's backend) to
+leave the run instead of restarting it into the same failure ``--max-restarts`` times.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, cfgmod.NodeConfig
         config = cfgmod.load_config(args.config, cfgmod.parse_overrides(rest))
         config = config.resolved(require_address=not args.print_config)
     except cfgmod.ConfigError as exc:
+        from elasticrl.rendezvous.worker import STOP_FILE_ENV
+
+        if os.environ.get(STOP_FILE_ENV) and not args.print_config:  # under elasticrl's torchrun agent
+            from elasticrl.train.logcontext import node_name
+
+            stop_node(exc, node_name(), os.environ.get("RANK", "?"), at_once=True)
         parser.exit(2, f"{parser.prog}: {exc}\n")
     return args, config
 
@@ -102,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     from elasticrl.rollout.engine import EngineUnavailableError, UnknownEngineError
     from elasticrl.train import reform
 
-    # The user's code, failing on every try, or a missing engine: a restart fails the same way.
-    fatal = (EnvError, EnvLoadError, RewardError, EngineUnavailableError, UnknownEngineError)
+    # Failures a restart does not fix: ask the agent to stop (after one more try for those that
+    # may have met a service that was down: the user's env or reward function, a GPU gone).
+    at_once = (cfgmod.ConfigError, EnvLoadError, UnknownEngineError)
+    after_a_retry = (EnvError, RewardError, EngineUnavailableError)
 
     rc = 0
     try:
@@ -114,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     except cfgmod.ConfigError as exc:
         log.error("%s", exc)
         rc = 2
-        stop_node(exc, logctx.node, world.rank)
+        stop_node(exc, logctx.node, world.rank, at_once=True)
     except SystemExit as exc:  # torchrun's SIGTERM (train/stop.py)
         rc = exc.code if isinstance(exc.code, int) else 1
-    except fatal as exc:
+    except at_once + after_a_retry as exc:
         log.exception("training failed")
         rc = 1
-        stop_node(exc, logctx.node, world.rank)
+        stop_node(exc, logctx.node, world.rank, at_once=isinstance(exc, at_once))
     except Exception:
         log.exception("training failed")
         rc = 1
@@ -128,16 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def stop_node(exc: Exception, node: str, rank: int) -> None:
-    """A failure no restart fixes (an env or reward function that raises, a bad config) fails the
-    same way after a restart, and a restart of a real node reloads its model first: ask this
-    node's torchrun agent to leave the run instead (``rendezvous.worker.request_stop``). The other
-    nodes go on without it, or stop for the same failure of their own."""
+def stop_node(exc: BaseException, node: str, rank: int | str, *, at_once: bool) -> None:
+    """A failure restarts do not fix (a bad config at once; an env or reward function that raises
+    again after one restart) fails the same way after each, and a restart of a real node reloads
+    its model first: ask this node's torchrun agent to leave the run instead
+    (``rendezvous.worker.request_stop``). The other nodes go on without it, or stop for the same
+    failure of their own."""
     from elasticrl.rendezvous.worker import request_stop
 
     reason = f"{node} rank {rank}: {type(exc).__name__}: {exc}"
     try:
-        path = request_stop(reason[:4096])
+        path = request_stop(type(exc).__name__, reason[:4096], at_once=at_once)
     except OSError as err:
         log.warning("could not ask the torchrun agent to stop (it may restart the workers): %s", err)
         return
@@ -145,7 +154,8 @@ def stop_node(exc: Exception, node: str, rank: int) -> None:
         log.warning("no elasticrl torchrun agent to ask to stop (another rendezvous backend, or no torchrun): "
                     "torchrun may restart this worker into the same failure")
     else:
-        log.error("asked this node's torchrun agent to stop instead of restarting its workers into the same failure")
+        log.error("asked this node's torchrun agent not to restart its workers into the same failure%s",
+                  "" if at_once else " (it tries once more, unless it did already)")
 
 
 if __name__ == "__main__":

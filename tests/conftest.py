@@ -143,10 +143,8 @@ def _free_snapshots(tmp_path_factory):
         return
     base = tmp_path_factory.getbasetemp()
     tags = set()
-    for dirpath, dirnames, _ in os.walk(base):  # run dirs sit a few levels down (tmp_path / "run")
+    for dirpath, _, _ in os.walk(base):  # a run dir may sit anywhere in a test's tmp_path
         tags.add(run_dir_tag(dirpath))
-        if len(pathlib.Path(dirpath).relative_to(base).parts) >= 3:
-            dirnames.clear()
     for path in new:
         if path.name.rsplit("-", 1)[-1] in tags:
             shutil.rmtree(path, ignore_errors=True)

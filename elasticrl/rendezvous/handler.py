@@ -162,6 +162,8 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._armed_round = 0  # the last round whose workers said they re-form in place
         self._left: set[str] = set()  # nodes seen leaving (not lost)
         self._relay: RelayThread | None = None
+        self._round_size = 0  # the participants of self._round
+        self._failed_once = ""  # the kind of failure a worker asked to stop for, restarted once (_stop_if_asked)
         # Where this agent's workers ask it to stop instead of restarting them (worker.request_stop).
         self.stop_file = os.path.join(tempfile.gettempdir(), f"elasticrl-agent-{os.getpid()}-{secrets.token_hex(4)}.stop")
 
@@ -261,11 +263,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         cfg = self.config
         give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
         standby = False
-        stop = take_stop_request(self.stop_file)
-        if stop is not None:  # torchrun's exception ends the agent; its shutdown() leaves the run
-            log.error("run %s: %s stops instead of restarting its workers: %s", cfg.run_id, cfg.node_id, stop)
-            raise RendezvousClosedError(f"run {cfg.run_id!r}: node {cfg.node_id} stops, its worker failed in a way no "
-                                        f"restart fixes: {stop}")
+        self._stop_if_asked()
         with rendezvous_errors(cfg.endpoint, cfg.run_id):
             while True:
                 if self._closed_here:
@@ -308,7 +306,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                 store = CoordinatorStore(
                     self._client, cfg.run_id, f"torchrun/round-{res.round}/", timeout_s=cfg.read_timeout_s
                 )
-                self._round = res.round
+                self._round, self._round_size = res.round, len(res.participants)
                 os.environ[ROUND_ENV] = str(res.round)  # for the workers this agent starts now
                 bootstrap = self._bootstrap(res.round, res.rank, res.participants, store)
                 if bootstrap is None:
@@ -319,6 +317,44 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                     bootstrap.master_addr, bootstrap.master_port,
                 )
                 return RendezvousInfo(store, res.rank, res.world_size, bootstrap)
+
+    def _stop_if_asked(self) -> None:
+        """A worker of this node failed in a way restarts do not fix (``worker.request_stop``): end
+        the agent (torchrun's exception; its ``shutdown()`` then leaves the run) at once, or when the
+        same kind of failure comes back after one restart."""
+        stop = take_stop_request(self.stop_file)
+        if stop is None:
+            return
+        cfg = self.config
+        if not stop.at_once and stop.kind != self._failed_once:
+            self._failed_once = stop.kind
+            log.warning("run %s: a worker of %s failed (%s); restarting it once more: the same failure again stops "
+                        "this node", cfg.run_id, cfg.node_id, stop.reason)
+            return
+        log.error("run %s: %s stops instead of restarting its workers: %s", cfg.run_id, cfg.node_id, stop.reason)
+        self._check_in_at_exit()
+        raise RendezvousClosedError(f"run {cfg.run_id!r}: node {cfg.node_id} stops, its worker failed in a way "
+                                    f"restarts do not fix: {stop.reason}")
+
+    def _check_in_at_exit(self) -> None:
+        """in_place, the round armed: the others finish this round without this node, so check in
+        at its exit barrier for it (as a survivor does for a lost node, ``_stand_in``, which skips
+        a node that left): otherwise they would wait out torchrun's exit barrier timeout for it."""
+        round_no = self._round
+        if not self.config.in_place or round_no == 0 or not self._round_size:
+            return
+        try:
+            if self._armed_round != round_no and self._client.kv_get(self.config.run_id, [armed_key(round_no)])[0] is None:
+                return  # the workers do not watch their world: the other agents restart theirs
+            store = CoordinatorStore(self._client, self.config.run_id, f"torchrun/round-{round_no}/",
+                                     timeout_s=self.config.read_timeout_s)
+            mine = self.config.node_id.encode()
+            if store.compare_set(f"elasticrl/exit-stand-in/{self.config.node_id}", b"", mine) != mine:
+                return  # a survivor checked in for it already
+            if store.add(EXIT_BARRIER + "/num_members", 1) == self._round_size:
+                store.set(EXIT_BARRIER + "/last_member", b"<val_ignored>")
+        except Exception as exc:  # noqa: BLE001 - the others' exit barrier then times out instead
+            log.warning("run %s: could not check in at round %d's exit barrier for this node: %s", self.config.run_id, round_no, exc)
 
     def _bootstrap(
         self, round_no: int, rank: int, participants: tuple[str, ...], store: CoordinatorStore

@@ -20,6 +20,8 @@ bug, or a peer that is merely slow) is re-raised unchanged, only later.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import time
@@ -83,31 +85,52 @@ def restart_grace(grace_s: float | None = None):
         raise
 
 
-def request_stop(reason: str) -> str | None:
-    """Ask this node's torchrun agent not to restart its workers after this one fails: the failure
-    is one no restart fixes (a bad config, the user's env or reward code). The agent then leaves
-    the run at its next rendezvous, with ``reason``, instead of spending ``--max-restarts`` on
-    restarts (each reloading the model) that fail the same way; the other nodes go on without it
-    or stop for their own failure. Returns the file written (the agent's, ``STOP_FILE_ENV``), or
-    None under an agent that is not elasticrl's backend, which restarts the workers as before."""
+@dataclasses.dataclass(frozen=True)
+class StopRequest:
+    """What a failing worker tells its agent (``request_stop``): ``kind`` names the failure (an
+    exception class), ``reason`` says it in full; ``at_once`` for a failure no restart can fix
+    (a bad config), else the agent stops only when the same kind of failure comes back after one
+    restart (a reward function or env that raises may have met a service that was down)."""
+
+    kind: str
+    reason: str
+    at_once: bool
+
+
+def request_stop(kind: str, reason: str, *, at_once: bool) -> str | None:
+    """Ask this node's torchrun agent not to restart its workers (or to restart them once more,
+    see ``StopRequest``) after this one fails in a way a restart does not fix. The agent then
+    leaves the run at its next rendezvous, with ``reason``, instead of spending ``--max-restarts``
+    on restarts (each reloading the model) that fail the same way; the other nodes go on without
+    it or stop for their own failure. Returns the file written (the agent's, ``STOP_FILE_ENV``),
+    or None under an agent that is not elasticrl's backend, which restarts the workers as before."""
     path = os.environ.get(STOP_FILE_ENV)
     if not path:
         return None
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(reason)
-    os.replace(tmp, path)  # the agent reads a whole reason or none
+        json.dump({"kind": kind, "reason": reason, "at_once": at_once}, f)
+    os.replace(tmp, path)  # the agent reads a whole request or none
     return path
 
 
-def take_stop_request(path: str) -> str | None:
-    """The agent's side of ``request_stop``: the reason a worker left in ``path`` (the file is
-    removed), or None when no worker asked."""
+def take_stop_request(path: str) -> StopRequest | None:
+    """The agent's side of ``request_stop``: the request a worker left in ``path`` (the file is
+    removed), or None when no worker asked (or what it left cannot be read: then restarts go on
+    as usual)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            reason = f.read()
+            text = f.read()
     except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read the workers' stop request %s (%s); restarting them as usual", path, exc)
         return None
     with contextlib.suppress(OSError):
         os.remove(path)
-    return reason.strip() or "no reason given"
+    try:
+        doc = json.loads(text)
+        return StopRequest(str(doc["kind"]), str(doc["reason"]).strip() or "no reason given", bool(doc["at_once"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("the workers' stop request %s is malformed (%s); restarting them as usual", path, exc)
+        return None

@@ -32,8 +32,8 @@ imported inside them; the coordinator itself never decodes tensors).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -263,19 +263,40 @@ class WeightUpload:
         self._store._uploads.discard(self)
 
 
+def _log_removal_failure(removal: asyncio.Future) -> None:
+    if not removal.cancelled() and removal.exception() is not None:
+        log.warning("could not remove an older weights file: %s", removal.exception())
+
+
 def hold_owner_lock(directory: pathlib.Path):
     """Lock ``directory``'s OWNER_LOCK for as long as the returned file stays open (this process's
     life: the kernel drops an flock when its holder dies, however it dies). Locked before it gets
-    its name, so no sweep ever finds it unlocked while its owner lives."""
+    its name, so no sweep ever finds it unlocked while its owner lives. None where the file
+    system has no flock (or there is no fcntl): the directory is then left to its exit handler."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".owner.", suffix=".tmp")
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.replace(tmp, directory / OWNER_LOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.replace(tmp, directory / OWNER_LOCK)
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        log.warning("weights in %s: no owner lock (%s); if this coordinator is killed, nothing removes them", directory, exc)
+        return None
     return os.fdopen(fd, "w")
 
 
 def remove_orphaned_dirs(parent: str | os.PathLike) -> list[str]:
     """Delete the private weight directories under ``parent`` whose coordinator is gone (SIGKILLed,
     OOM-killed: nobody removed them): those whose OWNER_LOCK no process holds. Returns them."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return []
     removed = []
     for path in pathlib.Path(parent).glob(TMP_PREFIX + "*"):
         try:
@@ -390,23 +411,24 @@ class WeightStore:
             # client gone, the coordinator stopping): the thread would finish it anyway, and this
             # run's blob, current.json and lock must follow it, not a later commit racing it.
             install = asyncio.ensure_future(asyncio.to_thread(self._install, blob))
-            cancelled = False
+            cancelled: asyncio.CancelledError | None = None
             while True:
                 try:
                     stored = await asyncio.shield(install)
                     break
-                except asyncio.CancelledError:
-                    cancelled = True
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
                 except BaseException:
                     blob.path.unlink(missing_ok=True)
                     raise
             self._blobs[blob.run_id] = stored
             self._published.fire(blob.run_id)
             # Only now, with the new blob current: a fetch holding the old one has it open.
-            if cancelled:
-                self._remove_older(stored)
-                raise asyncio.CancelledError
-            await asyncio.to_thread(self._remove_older, stored)
+            removal = asyncio.get_running_loop().run_in_executor(None, self._remove_older, stored)  # under way now
+            if cancelled is not None:  # the removal goes on without this task
+                removal.add_done_callback(_log_removal_failure)
+                raise cancelled
+            await removal
         log.info("weights of run %s: version %d stored (%d bytes, sha256 %s)", stored.run_id, stored.version,
                  stored.total_bytes, stored.sha256[:12])
         return True

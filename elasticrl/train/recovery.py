@@ -110,10 +110,9 @@ class Recovery:
                     if newest_ckpt == 0:
                         raise
                     log.error("snapshot %s unusable (%s); resuming from checkpoint %d instead", sid.name, exc, newest_ckpt)
-            elif self.world.rank == 0 and (sid is not None or any(h.snapshots for h in held) or self.snapshots.generation > 1):
+            elif self.world.rank == 0 and (sid is not None or any(h.snapshots for h in held)):
                 # An older snapshot than the checkpoint, or none complete (a lost host's shards
-                # without buddy copies, say), or none at all in a re-formed world (its host memory
-                # freed meanwhile): the latter two lose iterations, so they are warnings.
+                # without buddy copies, say): the latter loses iterations, so it is a warning.
                 log.log(logging.INFO if sid is not None else logging.WARNING, "snapshots: %s; %s", reason,
                         f"resuming from checkpoint {newest_ckpt}" if newest_ckpt else "no checkpoint either: starting over")
         return self._from_checkpoint(strategy, newest_ckpt) if newest_ckpt else None

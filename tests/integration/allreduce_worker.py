@@ -6,8 +6,8 @@ MASTER_ADDR/PORT it bootstraps from), ``ok`` every ``--report-every`` seconds wh
 (the sum is checked against the world size), ``error`` on a failure, ``done`` on a clean stop.
 A stop is agreed collectively (every step all-reduces a stop flag too), so all ranks leave the
 loop at the same step once ``--stop-file`` exists. Once ``--fatal-file`` holds this node's name,
-its worker fails as user code would that no restart fixes: it asks its agent to stop
-(``request_stop``), reports ``fatal`` and exits 1.
+its worker fails as user code would that restarts do not fix: it asks its agent to stop after one
+more try (``request_stop``), reports ``fatal`` and exits 1.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             fatal_file = pathlib.Path(args.fatal_file) if args.fatal_file else None
             while True:
                 if fatal_file is not None and fatal_file.exists() and fatal_file.read_text().strip() == args.node:
-                    asked = request_stop(f"{args.node}: ValueError: a user's bug")
+                    asked = request_stop("ValueError", f"{args.node}: ValueError: a user's bug", at_once=False)
                     report("fatal", rank=rank, world=world, asked=asked is not None)
                     return 1
                 flag = 1.0 if stop_file is not None and stop_file.exists() else 0.0

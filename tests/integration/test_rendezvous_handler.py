@@ -154,6 +154,63 @@ def test_in_place_leaves_a_lost_node_to_workers_that_watch_their_world(handlers,
         joining.result(timeout=30)
 
 
+def _ask_to_stop(handler, monkeypatch, kind: str, *, at_once: bool) -> None:
+    """What a failing worker of ``handler``'s node does (``elasticrl.node.stop_node``)."""
+    from elasticrl.rendezvous.worker import STOP_FILE_ENV, request_stop
+
+    monkeypatch.setenv(STOP_FILE_ENV, handler.stop_file)
+    assert request_stop(kind, f"{handler.config.node_id}: {kind}: boom", at_once=at_once) == handler.stop_file
+
+
+@pytest.mark.parametrize("armed", [False, True], ids=["restarting-workers", "in-place"])
+def test_a_node_whose_worker_asks_to_stop_leaves_and_checks_in_at_the_exit_barrier(handlers, client, monkeypatch, armed):
+    """A worker that failed in a way restarts do not fix asks its agent to stop: the agent's next
+    rendezvous raises RendezvousClosedError with the worker's reason (torchrun then shuts the
+    handler down: it leaves; the run stays open). In place, with the round armed, the others
+    finish that round without it, so it checks in at the round's exit barrier for itself (a
+    survivor's stand-in skips a node that left), once: else they would wait out torchrun's exit
+    barrier timeout (300 s) for it."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    from elasticrl.rendezvous.handler import EXIT_BARRIER
+    from elasticrl.rendezvous.store import CoordinatorStore
+    from elasticrl.rendezvous.worker import armed_key
+
+    a, b, c = (handlers(n, in_place="true") for n in "abc")
+    rendezvous_all(a, b, c)
+    if armed:
+        client.kv_set("rdzv", {armed_key(a.round): b"1"})
+    _ask_to_stop(c, monkeypatch, "ConfigError", at_once=True)
+    with pytest.raises(RendezvousClosedError, match=r"node c stops.*c: ConfigError: boom"):
+        c.next_rendezvous()
+    c.shutdown()
+    store = CoordinatorStore(client, "rdzv", f"torchrun/round-{a.round}/", timeout_s=5)
+    assert store.add(EXIT_BARRIER + "/num_members", 0) == (1 if armed else 0)
+    time.sleep(TTL_S + 0.5)  # a and b see c leave: neither stands in for it again
+    assert store.add(EXIT_BARRIER + "/num_members", 0) == (1 if armed else 0)
+    assert store.check(["elasticrl/exit-stand-in/c"]) == armed
+    run = client.status("rdzv", include_departed=True)["runs"][0]
+    assert not run["snapshot"]["closed"]
+    assert [m["state"] for m in run["departed"] if m["member_id"] == "c"] == ["MEMBER_STATE_LEFT"]
+
+
+def test_a_failure_that_may_pass_is_restarted_once_and_stops_the_node_when_it_comes_back(handlers, monkeypatch):
+    """A reward function or env that raised may have met a service that was down: the first
+    request (not at_once) restarts the workers once more; the same kind of failure again stops
+    the node; another kind is given its own retry."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    a, b = handlers("a"), handlers("b")
+    rendezvous_all(a, b)
+    _ask_to_stop(b, monkeypatch, "RewardError", at_once=False)
+    rendezvous_all(a, b)  # restarted once
+    _ask_to_stop(b, monkeypatch, "EnvError", at_once=False)
+    rendezvous_all(a, b)  # another kind: its own retry
+    _ask_to_stop(b, monkeypatch, "EnvError", at_once=False)
+    with pytest.raises(RendezvousClosedError, match=r"node b stops.*b: EnvError: boom"):
+        b.next_rendezvous()
+
+
 def test_leave_is_reported_at_once_and_does_not_close_the_run(handlers, client):
     a, b = handlers("a"), handlers("b")
     rendezvous_all(a, b)
