@@ -11,6 +11,7 @@ member the same keep-alive and arrival calls over one long-lived stream (``aio_s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -24,7 +25,7 @@ from elasticrl.coordinator.aio_session import AsyncSession
 from elasticrl.coordinator.client import JoinResult, resolve_token
 from elasticrl.coordinator.state import BarrierResult
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
-from elasticrl.errors import CoordinatorTimeoutError
+from elasticrl.errors import CoordinatorTimeoutError, CoordinatorUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class AsyncCoordinatorClient:
             # which is most of a barrier's per-member client cost when one process hosts many.
             return await fn(request, timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as err:
-            if not codes.is_retryable(err):
+            if not codes.is_retryable(err) or (retry_s is not None and retry_s <= 0):
                 raise codes.error_from_rpc(err, self.address) from None
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(codes.is_retryable),
@@ -171,18 +172,27 @@ class AsyncCoordinatorClient:
         return wire.kv_values(keys, await self._call("KVGet", pb.KVGetRequest(run_id=run_id, keys=keys)))
 
     async def kv_wait(self, run_id: str, keys: list[bytes], timeout_s: float) -> list[bytes]:
-        """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after ``timeout_s``."""
+        """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after
+        ``timeout_s`` (a coordinator restart meanwhile: as ``CoordinatorClient.kv_wait``)."""
         give_up = time.monotonic() + timeout_s
+        outage, answered = wire.ReopenBudget(self.reconnect_timeout_s), True
         while True:
             wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
             try:
                 resp = await self._call(
-                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S
+                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S, retry_s=0
                 )
                 return list(resp.values)
             except CoordinatorTimeoutError:
                 if time.monotonic() >= give_up:
                     raise
+                answered = True
+            except CoordinatorUnavailableError:
+                pause, answered = outage.pause_after(answered), False
+                left = give_up - time.monotonic()
+                if pause is None or left <= 0:
+                    raise
+                await asyncio.sleep(min(pause, left))  # at the deadline one last try: a timeout if it answers
 
     async def kv_add(self, run_id: str, key: bytes, delta: int) -> int:
         return (await self._call("KVAdd", pb.KVAddRequest(run_id=run_id, key=key, delta=delta))).value

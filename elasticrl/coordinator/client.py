@@ -138,7 +138,9 @@ class CoordinatorClient:
 
     def _call(self, method: str, request, *, timeout_s: float | None = None, retry_s: float | None = None, stub=None):
         """One unary call (of ``stub``, default the Coordinator service) with a deadline,
-        retried on UNAVAILABLE for at most ``retry_s``."""
+        retried on UNAVAILABLE for at most ``retry_s`` counted from its first failure (a long
+        poll that the restart of the coordinator breaks, a store wait of 20 s, still gets the
+        whole budget to reconnect)."""
         fn = getattr(stub or self._stub, method)
         deadline = self.call_timeout_s if timeout_s is None else timeout_s
         budget = self.reconnect_timeout_s if retry_s is None else retry_s
@@ -147,6 +149,11 @@ class CoordinatorClient:
         def once():
             return fn(request, timeout=deadline, metadata=self._metadata)
 
+        try:
+            return once()
+        except grpc.RpcError as err:
+            if budget <= 0 or not codes.is_retryable(err):
+                raise codes.error_from_rpc(err, self.address) from None
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(codes.is_retryable),
             wait=wire.retry_wait(),
@@ -269,19 +276,30 @@ class CoordinatorClient:
         return wire.kv_values(keys, self._call("KVGet", pb.KVGetRequest(run_id=run_id, keys=keys)))
 
     def kv_wait(self, run_id: str, keys: list[bytes], timeout_s: float) -> list[bytes]:
-        """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after ``timeout_s``."""
+        """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after
+        ``timeout_s``. A coordinator that restarts meanwhile is asked again with the time left
+        (re-sent as it was, the request would wait its whole chunk again there), for as long as
+        the reconnect budget allows: ``CoordinatorUnavailableError`` past it, or at ``timeout_s``
+        if the coordinator is still down then."""
         give_up = time.monotonic() + timeout_s
+        outage, answered = wire.ReopenBudget(self.reconnect_timeout_s), True
         while True:
-            left = give_up - time.monotonic()
-            wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, left))
+            wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
             try:
                 resp = self._call(
-                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S
+                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S, retry_s=0
                 )
                 return list(resp.values)
             except CoordinatorTimeoutError:
                 if time.monotonic() >= give_up:
                     raise
+                answered = True
+            except CoordinatorUnavailableError:
+                pause, answered = outage.pause_after(answered), False
+                left = give_up - time.monotonic()
+                if pause is None or left <= 0:
+                    raise
+                time.sleep(min(pause, left))  # at the deadline one last try: a timeout if it answers
 
     def kv_compare_set(
         self, run_id: str, key: bytes, expected: bytes, desired: bytes, *, writer: tuple[str, int] | None = None,
