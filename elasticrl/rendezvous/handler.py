@@ -253,7 +253,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
 
         Raises:
             RendezvousClosedError: the run was closed, or a worker of this node asked its agent to
-                stop (``worker.request_stop``: it failed in a way no restart fixes).
+                stop (``worker.request_stop``: it failed in a way restarts do not fix).
             RendezvousConnectionError: the coordinator is unreachable (after ``connect_timeout``)
                 or refused the token.
             RendezvousTimeoutError: min nodes did not gather within ``join_timeout`` (a standby,
