@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -60,6 +59,7 @@ from elasticrl.coordinator.wire import CLOSE_WAIT_S, DEADLINE_SLACK_S
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import TaskSpec
 from tests.conftest import CoordinatorProcess
+from tests.fault_injector import Fault, Injector, safely_end
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
@@ -80,7 +80,11 @@ SLACK_FRACTION = 0.25
 # after it cleared (a channel's reconnect backoff is at most 1 s: wire.CHANNEL_OPTIONS).
 FAULT_AFTERGLOW_S = 1.5 + CALL_TIMEOUT_S
 
-# A "lose" fault comes this long after the previous fault cleared at the earliest (see Injector).
+# A "lose" fault comes this long after the previous fault cleared at the earliest: lost replies only
+# once every stream is up again after the last fault. A Membership still reopening (backing off up
+# to 1 s) whose new stream the coordinator attached, but whose answers were dropped, does not count
+# that stream as up: after the reset it waits out its backoff, past the 0.5 s stream grace, and is
+# evicted (listed as doubtful in the report, not a bug test).
 LOSE_AFTER_FAULT_S = 3.0
 
 TRANSPORT = (errors.CoordinatorTimeoutError, errors.CoordinatorUnavailableError)
@@ -155,13 +159,6 @@ def with_slack(bound_s: float) -> float:
 # -- the coordinator and its faults --------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    gap_s: float  # quiet time before it
-    kind: str  # stop | kill | none
-    duration_s: float  # paused, or down before the restart
-
-
 def fault_plan(rng: random.Random, n: int) -> list[Fault]:
     """Pauses shorter and longer than a call's deadline (1 s), the reconnect budget (2.5 s) and the
     lease (2 s); downtimes shorter and longer than the reconnect budget; replies lost (the
@@ -178,114 +175,6 @@ def fault_plan(rng: random.Random, n: int) -> list[Fault]:
         }[kind]
         plan.append(Fault(rng.uniform(0.2, 1.2), kind, duration))
     return plan
-
-
-class Injector:
-    """Applies a fault plan to the coordinator from a thread; ``clear`` ends it (SIGCONT, and a
-    restart if it is down) and joins the thread. Records when each fault was on."""
-
-    def __init__(self, coordinator: CoordinatorProcess, plan: list[Fault], proxy: TcpProxy):
-        self.coordinator = coordinator
-        self.proxy = proxy
-        self.plan = plan
-        self.t0 = time.monotonic()
-        self.windows: list[tuple[float, float, str]] = []  # (began, cleared, what)
-        self.current: tuple[float, str] | None = None
-        self.done = threading.Event()
-        self._quit = threading.Event()
-        self._lock = threading.Lock()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
-
-    def start(self) -> "Injector":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            for fault in self.plan:
-                if self._quit.wait(fault.gap_s):
-                    break
-                if fault.kind == "lose" and self.windows:
-                    # Lost replies only once every stream is up again after the last fault. A
-                    # Membership still reopening (backing off up to 1 s) whose new stream the
-                    # coordinator attached, but whose answers were dropped, does not count that
-                    # stream as up: after the reset it waits out its backoff, past the 0.5 s stream
-                    # grace, and is evicted (listed as doubtful in the report, not a bug test).
-                    if self._quit.wait(max(0.0, self.windows[-1][1] + LOSE_AFTER_FAULT_S - time.monotonic())):
-                        break
-                if fault.kind == "none":
-                    if self._quit.wait(fault.duration_s):
-                        break
-                    continue
-                self._apply(fault)
-        except BaseException as exc:  # noqa: BLE001 - reported by clear()
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def _apply(self, fault: Fault) -> None:
-        began = time.monotonic()
-        what = f"{fault.kind} {fault.duration_s:.1f}s"
-        with self._lock:
-            self.current = (began, what)
-        try:
-            if fault.kind == "stop":
-                os.kill(self.coordinator.pid, signal.SIGSTOP)
-                try:
-                    self._quit.wait(fault.duration_s)
-                finally:
-                    os.kill(self.coordinator.pid, signal.SIGCONT)
-            elif fault.kind == "lose":
-                self.proxy.drop_replies = True
-                try:
-                    self._quit.wait(fault.duration_s)
-                finally:
-                    self.proxy.reset_all()
-                    self.proxy.drop_replies = False
-            else:
-                self.coordinator.kill()
-                self._quit.wait(fault.duration_s)
-                self.coordinator.start()
-        finally:
-            with self._lock:
-                self.current = None
-                self.windows.append((began, time.monotonic(), what))
-
-    def clear(self, timeout_s: float = 30.0) -> None:
-        self._quit.set()
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the fault injector did not stop"
-        self.proxy.drop_replies = False
-        proc = self.coordinator.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        else:
-            self.coordinator.start()
-        if self.error is not None:
-            raise AssertionError(f"the fault injector failed: {self.error!r}") from self.error
-
-    def faulty(self, start: float, end: float) -> bool:
-        """Whether a fault was on (or had just cleared) at some moment of [start, end]."""
-        with self._lock:
-            windows = list(self.windows)
-            if self.current is not None:
-                windows.append((self.current[0], float("inf"), self.current[1]))
-        return any(began <= end and start <= cleared + FAULT_AFTERGLOW_S for began, cleared, _ in windows)
-
-    def timeline(self) -> str:
-        with self._lock:
-            windows = list(self.windows)
-        return ", ".join(f"{what} at {b - self.t0:.2f}-{c - self.t0:.2f}s" for b, c, what in windows) or "no faults"
-
-
-def safely_end(coordinator: CoordinatorProcess) -> None:
-    """SIGCONT and SIGKILL the coordinator, whatever state it was left in."""
-    proc = coordinator.proc
-    if proc is not None and proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        coordinator.kill()
 
 
 # -- timing every operation ----------------------------------------------------------------------
@@ -966,7 +855,8 @@ def test_client_calls_keep_their_deadlines_and_recover_under_coordinator_faults(
         with trap.installed():
             coordinator.start()
             proxy = TcpProxy(("127.0.0.1", coordinator.port))  # a restart keeps the port
-            injector = Injector(coordinator, plan, proxy)
+            injector = Injector(coordinator, plan, proxy, afterglow_s=FAULT_AFTERGLOW_S,
+                                lose_after_fault_s=LOSE_AFTER_FAULT_S)
             audit, ledger = Audit(injector), Ledger()
             loop_thread = LoopThread(unhandled)
             async_actor = AsyncActor(proxy.address, audit, ledger, random.Random(f"async-{seed}"))

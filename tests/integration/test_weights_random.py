@@ -53,8 +53,6 @@ import json
 import os
 import queue
 import random
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -69,6 +67,7 @@ from elasticrl.coordinator.wire import DEADLINE_SLACK_S
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import UPLOAD_SUFFIX, pack_state_dict, unpack_state_dict
 from tests.conftest import REPO, CoordinatorProcess, wait_until
+from tests.fault_injector import Fault, Injector, safely_end
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
@@ -157,13 +156,6 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 # -- the coordinator and its faults --------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    gap_s: float  # quiet time before it
-    kind: str  # stop | kill | reset | lose | none
-    duration_s: float  # paused, down before the restart, replies lost, or quiet
-
-
 def fault_plan(rng: random.Random, n: int) -> list[Fault]:
     """Pauses shorter and longer than a publish attempt's deadline (4 s) and a fetch's without a
     wait (8 s); downtimes shorter and longer than the reconnect budget (3 s); connection resets;
@@ -180,106 +172,6 @@ def fault_plan(rng: random.Random, n: int) -> list[Fault]:
         }[kind]
         plan.append(Fault(rng.uniform(0.2, 1.0), kind, duration))
     return plan
-
-
-class Injector:
-    """Applies a fault plan from a thread; ``clear`` ends it (SIGCONT, and a restart if the
-    coordinator is down) and joins the thread. Records when each fault was on."""
-
-    def __init__(self, coordinator: CoordinatorProcess, plan: list[Fault], proxy: TcpProxy):
-        self.coordinator, self.plan, self.proxy = coordinator, plan, proxy
-        self.t0 = time.monotonic()
-        self.windows: list[tuple[float, float, str]] = []  # (began, cleared, what)
-        self.current: tuple[float, str] | None = None
-        self.done = threading.Event()
-        self._quit = threading.Event()
-        self._lock = threading.Lock()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
-
-    def start(self) -> "Injector":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            for fault in self.plan:
-                if self._quit.wait(fault.gap_s):
-                    break
-                if fault.kind == "none":
-                    if self._quit.wait(fault.duration_s):
-                        break
-                    continue
-                self._apply(fault)
-        except BaseException as exc:  # noqa: BLE001 - reported by clear()
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def _apply(self, fault: Fault) -> None:
-        began = time.monotonic()
-        what = f"{fault.kind} {fault.duration_s:.1f}s"
-        with self._lock:
-            self.current = (began, what)
-        try:
-            if fault.kind == "stop":
-                os.kill(self.coordinator.pid, signal.SIGSTOP)
-                try:
-                    self._quit.wait(fault.duration_s)
-                finally:
-                    os.kill(self.coordinator.pid, signal.SIGCONT)
-            elif fault.kind == "reset":
-                self.proxy.reset_all()
-            elif fault.kind == "lose":
-                self.proxy.drop_replies = True
-                try:
-                    self._quit.wait(fault.duration_s)
-                finally:
-                    self.proxy.reset_all()
-                    self.proxy.drop_replies = False
-            else:
-                self.coordinator.kill()
-                self._quit.wait(fault.duration_s)
-                self.coordinator.start()
-        finally:
-            with self._lock:
-                self.current = None
-                self.windows.append((began, time.monotonic(), what))
-
-    def clear(self, timeout_s: float = 30.0) -> None:
-        self._quit.set()
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the fault injector did not stop"
-        self.proxy.drop_replies = False
-        proc = self.coordinator.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        else:
-            self.coordinator.start()
-        if self.error is not None:
-            raise AssertionError(f"the fault injector failed: {self.error!r}") from self.error
-
-    def faulty(self, start: float, end: float) -> bool:
-        """Whether a fault was on (or had just cleared) at some moment of [start, end]."""
-        with self._lock:
-            windows = list(self.windows)
-            if self.current is not None:
-                windows.append((self.current[0], float("inf"), self.current[1]))
-        return any(began <= end and start <= cleared + FAULT_AFTERGLOW_S for began, cleared, _ in windows)
-
-    def timeline(self) -> str:
-        with self._lock:
-            windows = sorted(self.windows)
-        return ", ".join(f"{what} at {b - self.t0:.2f}-{c - self.t0:.2f}s" for b, c, what in windows) or "no faults"
-
-
-def safely_end(coordinator: CoordinatorProcess) -> None:
-    """SIGCONT and SIGKILL the coordinator, whatever state it was left in."""
-    proc = coordinator.proc
-    if proc is not None and proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        coordinator.kill()
 
 
 def coordinator_log(coordinator: CoordinatorProcess) -> str:
@@ -695,7 +587,7 @@ def test_published_weights_stay_exact_durable_and_forward_under_coordinator_faul
         coordinator.start()
         torn = TornPublisher(coordinator.address)  # straight to the coordinator (a restart keeps the port)
         proxy = TcpProxy(("127.0.0.1", coordinator.port))
-        injector = Injector(coordinator, plan, proxy)
+        injector = Injector(coordinator, plan, proxy, afterglow_s=FAULT_AFTERGLOW_S)
         book = Book(injector)
         publisher = Publisher(proxy.address, book, random.Random(f"publisher-{seed}"), torn, stop)
         fetchers = [Fetcher("fetcher-proxied", proxy.address, book, random.Random(f"fetch-a-{seed}"), stop),
