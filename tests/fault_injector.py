@@ -1,6 +1,7 @@
 """Coordinator faults on a schedule, for the random fault tests (client deadlines, weights): a
 thread SIGSTOPs, SIGKILLs and restarts a coordinator, resets the connections through a
-``TcpProxy`` or drops its replies, and records when each fault was on."""
+``TcpProxy`` or drops its replies, and records when each fault was on; and the check, after
+the clients closed, that none of their threads is left."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 
 from tests.conftest import CoordinatorProcess
 from tests.tcp_proxy import TcpProxy
@@ -128,3 +131,22 @@ def safely_end(coordinator: CoordinatorProcess) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGCONT)
         coordinator.kill()
+
+
+def thread_stacks() -> str:
+    """Every thread's stack but the main thread's (pytest's own frames)."""
+    frames = sys._current_frames()
+    return "\n".join(f"--- {t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+                     for t in threading.enumerate() if t.ident in frames and t is not threading.main_thread())
+
+
+def wait_threads_gone(before: set[threading.Thread], timeout_s: float = 10.0) -> None:
+    """Wait for every thread not in ``before`` to end; AssertionError naming them (with their stacks)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"threads left after every client closed: {[t.name for t in left]}\n{thread_stacks()}")
+        time.sleep(0.05)

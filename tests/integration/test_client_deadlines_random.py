@@ -59,7 +59,7 @@ from elasticrl.coordinator.wire import CLOSE_WAIT_S, DEADLINE_SLACK_S
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import TaskSpec
 from tests.conftest import CoordinatorProcess
-from tests.fault_injector import Fault, Injector, safely_end
+from tests.fault_injector import Fault, Injector, safely_end, thread_stacks, wait_threads_gone
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
@@ -817,13 +817,6 @@ class TracebackTrap(logging.Handler):
             root.setLevel(old_level)
 
 
-def _stacks() -> str:
-    """Every thread's stack but the main thread's (pytest's own frames)."""
-    frames = sys._current_frames()
-    return "\n".join(f"--- {t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
-                     for t in threading.enumerate() if t.ident in frames and t is not threading.main_thread())
-
-
 def _live_members(client: CoordinatorClient, run_id: str) -> dict[str, int]:
     runs = client.status(run_id)["runs"]
     if not runs:
@@ -879,7 +872,7 @@ def test_client_calls_keep_their_deadlines_and_recover_under_coordinator_faults(
                 time.sleep(0.05)
             stop.set()
             if hung:
-                pytest.fail(f"seed {seed}: {hung}; faults: {injector.timeline()}\n{_stacks()}")
+                pytest.fail(f"seed {seed}: {hung}; faults: {injector.timeline()}\n{thread_stacks()}")
             async_run.result(0)
             if sync_actor.error is not None:
                 raise sync_actor.error
@@ -951,7 +944,7 @@ def test_client_calls_keep_their_deadlines_and_recover_under_coordinator_faults(
             async_actor.client = async_actor.session = None
             async_actor.members.clear()
             gc.collect()
-            _wait_threads_gone(threads_before)
+            wait_threads_gone(threads_before)
             assert not trap.found and not unhandled, f"unhandled errors: {trap.found + unhandled}"
             out, err = capfd.readouterr()
             for marker in ("Traceback (most recent call last)", "Exception ignored", "Task was destroyed"):
@@ -992,17 +985,6 @@ async def _tasks_left(before: set[str], grace_s: float) -> str:
         frames = "".join(traceback.format_stack(t.get_stack(limit=20)[-1])) if t.get_stack() else "(no frames)"
         out.append(f"{t!r}\n{frames}")
     return "\n".join(out)
-
-
-def _wait_threads_gone(before: set[threading.Thread], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"threads left after every client closed: {[t.name for t in left]}\n{_stacks()}")
-        time.sleep(0.05)
 
 
 # -- bugs found, pinned ---------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from elasticrl.coordinator.wire import DEADLINE_SLACK_S
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import UPLOAD_SUFFIX, pack_state_dict, unpack_state_dict
 from tests.conftest import REPO, CoordinatorProcess, wait_until
-from tests.fault_injector import Fault, Injector, safely_end
+from tests.fault_injector import Fault, Injector, safely_end, thread_stacks, wait_threads_gone
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
@@ -553,23 +553,6 @@ class Fetcher:
         self.client.close()
 
 
-def _stacks() -> str:
-    frames = sys._current_frames()
-    return "\n".join(f"--- {t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
-                     for t in threading.enumerate() if t.ident in frames and t is not threading.main_thread())
-
-
-def _wait_threads_gone(before: set[threading.Thread], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"threads left after every client closed: {[t.name for t in left]}\n{_stacks()}")
-        time.sleep(0.05)
-
-
 # -- the test ------------------------------------------------------------------------------------
 
 
@@ -607,7 +590,7 @@ def test_published_weights_stay_exact_durable_and_forward_under_coordinator_faul
             time.sleep(0.05)
         stop.set()
         if hung:
-            pytest.fail(f"seed {seed}: {hung}; faults: {injector.timeline()}\n{_stacks()}")
+            pytest.fail(f"seed {seed}: {hung}; faults: {injector.timeline()}\n{thread_stacks()}")
         for actor in (publisher, *fetchers):
             if actor.error is not None:
                 raise actor.error
@@ -653,7 +636,7 @@ def test_published_weights_stay_exact_durable_and_forward_under_coordinator_faul
             f.close()
         torn.kill()
         proxy.close()
-        _wait_threads_gone(threads_before)
+        wait_threads_gone(threads_before)
         log = coordinator_log(coordinator)
         for marker in ("Traceback", "internal error"):
             assert marker not in log, f"the coordinator logged {marker!r}:\n{log[-4000:]}"
