@@ -393,6 +393,10 @@ except ImportError:  # pragma: no cover - gRPC does not export it; another build
     class _WRITE_FAILED(Exception):  # noqa: N801 - never raised: a failed write ends the call as gRPC's does
         pass
 
+# How long a response stream whose write failed waits for gRPC to see the client's close (it cancels
+# the handler then, at once in practice); past it the failed write is raised and gRPC logs it.
+_CLOSE_NEWS_S = 5.0
+
 
 def _parsing(impl, request_cls, kind: str):
     """Wrap ``impl`` so undecodable bytes get INVALID_ARGUMENT naming the message type, rather
@@ -408,6 +412,25 @@ def _parsing(impl, request_cls, kind: str):
                 f"request is not a valid {request_cls.DESCRIPTOR.full_name}: {exc}",
             )
 
+    async def write_all(items, context):
+        # Written here rather than yielded to gRPC, so a write that fails because the client
+        # went away mid-stream (a worker killed, or timed out mid-download) ends the call
+        # quietly. gRPC logs a failed batch with a traceback unless it has already seen the
+        # client's close; that news comes a moment after the failed write, as a cancel of this
+        # task. So the handler waits for it rather than raising or returning at once (a return
+        # would also make gRPC send the initial metadata a second time when the first write
+        # failed, which core refuses with TOO_MANY_OPERATIONS, logged as well).
+        try:
+            async for item in items:
+                try:
+                    await context.write(item)
+                except _WRITE_FAILED:
+                    log.debug("%s: the client went away mid-stream", request_cls.DESCRIPTOR.full_name)
+                    await asyncio.sleep(_CLOSE_NEWS_S)  # cancelled when the close comes
+                    raise
+        finally:
+            await items.aclose()
+
     if kind == "bidi":
 
         async def bidi_handler(raw_requests, context):
@@ -415,8 +438,7 @@ def _parsing(impl, request_cls, kind: str):
                 async for raw in raw_requests:
                     yield await parse(raw, context)
 
-            async for item in impl(requests(), context):
-                yield item
+            await write_all(impl(requests(), context), context)
 
         return bidi_handler
 
@@ -434,20 +456,7 @@ def _parsing(impl, request_cls, kind: str):
     if kind == "server_stream":
 
         async def stream_handler(raw, context):
-            # Written here rather than yielded to gRPC: a write that fails because the client
-            # went away mid-stream (a worker killed or timed out mid-download) then ends the call
-            # quietly, where gRPC's own write of a yielded message logged it with a traceback.
-            request = await parse(raw, context)
-            items = impl(request, context)
-            try:
-                async for item in items:
-                    try:
-                        await context.write(item)
-                    except _WRITE_FAILED:
-                        log.debug("%s: the client went away mid-stream", request_cls.DESCRIPTOR.full_name)
-                        return
-            finally:
-                await items.aclose()
+            await write_all(impl(await parse(raw, context), context), context)
 
         return stream_handler
 
