@@ -66,6 +66,9 @@ from elasticrl.weights.transfer import WeightPublisher
 log = logging.getLogger(__name__)
 
 GENERATION_KEY = b"elasticrl/worker-generation"
+# The newest iteration the run finished (rank 0 sets it after each record): a world that resumes
+# from less says what it does again, and one that finds nothing to resume from says what it lost.
+PROGRESS_KEY = b"elasticrl/last-iteration"
 
 
 class NodeTrainer(InPlace):
@@ -242,6 +245,8 @@ class NodeTrainer(InPlace):
     def _resume(self) -> int:
         """Load the newest complete snapshot or checkpoint (``Recovery.resume``); returns its iteration."""
         resumed = self.recovery.resume(self.strategy)
+        if self.world.rank == 0:
+            self._say_what_is_done_again(resumed.iteration if resumed else 0)
         if resumed is None:
             return 0
         self.rows.resume(resumed.iteration, resumed.meta.get("data_position", {}))
@@ -249,6 +254,35 @@ class NodeTrainer(InPlace):
             self._set_reference(resumed.reference)
         self._unrecorded = resumed.metrics  # a snapshot's record, added in _setup if it is missing
         return resumed.iteration
+
+    def _say_what_is_done_again(self, start: int) -> None:
+        """Rank 0: iterations the run had finished (the coordinator's record) after ``start``, the
+        iteration it resumes from, are done again; from 0 they are lost, which is a warning."""
+        try:
+            (raw,) = self.client.kv_get(f"{self.cfg.run.run_id}.workers", [PROGRESS_KEY])
+        except ElasticRLError as exc:
+            log.debug("the run's progress could not be read from the coordinator: %s", exc)
+            return
+        reached = int(raw) if raw else 0
+        if reached <= start:
+            return
+        if start == 0:
+            log.warning(
+                "the run had finished iteration %d, but no rank holds a snapshot or checkpoint of it: starting over "
+                "from iteration 1. To keep progress when nodes go, put checkpoint.dir on storage a new node can read, "
+                "or keep snapshots with buddy copies (checkpoint.snapshots, checkpoint.snapshot_buddies)", reached,
+            )
+        else:
+            log.info("the run had finished iteration %d; iterations %d-%d are done again from the one resumed",
+                     reached, start + 1, reached)
+
+    def _record_progress(self, iteration: int) -> None:
+        """Rank 0, after an iteration's record: the run's progress on the coordinator (see
+        ``_say_what_is_done_again``). Best effort: a coordinator that is down fails the next barrier."""
+        try:
+            self.client.kv_set(f"{self.cfg.run.run_id}.workers", {PROGRESS_KEY: str(iteration).encode()})
+        except ElasticRLError as exc:
+            log.debug("the run's progress was not recorded on the coordinator: %s", exc)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -583,6 +617,8 @@ class NodeTrainer(InPlace):
             # record once. A checkpoint comes after the record (and holds it too).
             metrics = self._iteration(iteration, extra)
             self._report(metrics)
+            if self.world.rank == 0:
+                self._record_progress(iteration)
             saving_s = 0.0
             if saving:
                 t0 = time.monotonic()

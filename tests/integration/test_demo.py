@@ -3,7 +3,8 @@
 A short 2-node run must exit 0, log every iteration and leave a checkpoint that loads into the
 policy; a second, 1-node run in the same directory must resume from it (a restarted, smaller
 world continues), while a node with another policy shape must refuse it; and a run that loses a
-node halfway must finish on the survivor. Each demo has
+node halfway must finish on the survivor (and say what it loses when it has nothing to resume
+from). Each demo has
 a hard timeout; afterwards no process that names the run directory may be left.
 """
 
@@ -161,6 +162,20 @@ def test_losing_a_node_mid_run_finishes_on_the_survivor(tmp_path):
     assert records[0]["world_size"] == 2 and records[-1]["world_size"] == 1
     assert "world size 2 -> 1" in result.stdout
     load_policy(out / "checkpoints" / "iter-000010", out / "config.json")
+
+
+@pytest.mark.slow
+def test_a_world_that_finds_nothing_to_resume_from_says_what_it_loses(tmp_path):
+    # No snapshots, a checkpoint only at the end: the survivor has nothing to resume from.
+    out = tmp_path / "run"
+    result = run_demo(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "0", "--kill-at", "2",
+                      "--", "--checkpoint.snapshots=false")
+    assert result.returncode == 0, result.stdout
+    lost = re.findall(r"WARNING .*the run had finished iteration (\d+), but no rank holds a snapshot or checkpoint of it: "
+                      r"starting over from iteration 1", result.stdout)
+    assert len(lost) == 1 and int(lost[0]) >= 2, result.stdout
+    iterations = [r["iteration"] for r in metrics(out)]
+    assert iterations == list(range(1, int(lost[0]) + 1)) + [1, 2, 3, 4], iterations
 
 
 @pytest.mark.slow
