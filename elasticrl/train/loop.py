@@ -245,7 +245,7 @@ class NodeTrainer(InPlace):
     def _resume(self) -> int:
         """Load the newest complete snapshot or checkpoint (``Recovery.resume``); returns its iteration."""
         resumed = self.recovery.resume(self.strategy)
-        if self.world.rank == 0:
+        if self.world.rank == 0 and self.cfg.run.rl_phase != "rollout":
             self._say_what_is_done_again(resumed.iteration if resumed else 0)
         if resumed is None:
             return 0
@@ -617,7 +617,7 @@ class NodeTrainer(InPlace):
             # record once. A checkpoint comes after the record (and holds it too).
             metrics = self._iteration(iteration, extra)
             self._report(metrics)
-            if self.world.rank == 0:
+            if self.world.rank == 0 and updating:  # a rollout phase's iterations stay sealed on the coordinator
                 self._record_progress(iteration)
             saving_s = 0.0
             if saving:

@@ -84,6 +84,7 @@ def test_a_rollout_phase_then_an_update_phase(tmp_path):
     assert not (out / "checkpoints").exists()
     update = run_demo(out, *common, "--run.rl_phase=update")
     assert update.returncode == 0, update.stdout
+    assert "starting over" not in update.stdout, update.stdout  # a rollout phase's iterations are not lost progress
     trained = metrics(out)[3:]
     assert [r["iteration"] for r in trained] == [1, 2, 3] and [r["policy_version"] for r in trained] == [1, 2, 3]
     # The update phase trained on the rollout phase's groups: the same rewards, iteration by iteration.
