@@ -31,8 +31,18 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 
 venv: $(VENV)/.installed
 
+# Two runs: the unit tests on UNIT_WORKERS processes (pytest-xdist; their own clocks, loopback at
+# most), then the integration tests one at a time (real coordinators and torchrun agents whose
+# leases and kills are timed on this machine's cores). The second runs even when the first fails,
+# and make fails if either did. PYTEST_ARGS goes to both; a run it leaves without a test to run
+# (pytest's exit status 5, e.g. -m "not integration") is no failure.
+UNIT_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@rc=0; \
+	$(PY) -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	exit $$rc
 
 demo: $(VENV)/.installed-demo
 	$(PY) -m elasticrl.demo

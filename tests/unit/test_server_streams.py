@@ -38,8 +38,9 @@ async def _cancel_mid_stream(kind: str, calls: int, rng: random.Random) -> tuple
         nonlocal started, closed
         started += 1
         try:
-            if kind == "bidi":
-                await requests.__anext__()
+            if kind == "bidi":  # its first request (none when the client went away before sending it)
+                async for _ in requests:
+                    break
             for _ in range(3):
                 yield wrappers_pb2.BytesValue(value=BIG)
         finally:
