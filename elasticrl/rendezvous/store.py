@@ -9,7 +9,8 @@ process hosts the store: any node may die without taking the store with it.
 Semantics follow ``TCPStore``: ``get``/``wait``/``multi_get`` block until the keys exist and raise
 ``torch.distributed.DistStoreError`` after the timeout (``set_timeout``, or the ``wait`` argument;
 a zero timeout means no timeout, as in ``HashStore``: torch 2.13's ``TCPStore`` fails at once); an
-unreachable coordinator raises ``DistNetworkError``. Keys and values are bytes or str (an int is a
+unreachable coordinator, or one that does not answer a call within the client's call timeout,
+raises ``DistNetworkError``. Keys and values are bytes or str (an int is a
 ``TypeError``, as in torch, not that many zero bytes); ``add`` takes an int. Where torch's stores
 differ on purpose: a value over the coordinator's ``--max-kv-value-bytes`` (1 MiB) is refused, and
 ``add`` on a value that is not a whole decimal number raises ``ValueError`` (torch's ``stoll`` reads
@@ -31,6 +32,7 @@ group), keeps every clone referenced from the store it was cloned from.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -103,8 +105,14 @@ class CoordinatorStore(dist.Store):
         s = _seconds(self.timeout if timeout is None else timeout)
         return NO_TIMEOUT_S if s <= 0 else s
 
-    def _network_error(self, exc: CoordinatorUnavailableError) -> dist.DistNetworkError:
-        return dist.DistNetworkError(f"store {self.prefix!r} of run {self._run_id!r}: {exc}")
+    @contextlib.contextmanager
+    def _reaching(self):
+        """A coordinator that cannot be reached, or does not answer within the client's call
+        timeout (SIGSTOPped, say), is torch's ``DistNetworkError``, naming the store and the coordinator."""
+        try:
+            yield
+        except (CoordinatorUnavailableError, CoordinatorTimeoutError) as exc:
+            raise dist.DistNetworkError(f"store {self.prefix!r} of run {self._run_id!r}: {exc}") from None
 
     def _wait_values(self, keys: list, timeout=None) -> list[bytes]:
         if not keys:
@@ -124,15 +132,13 @@ class CoordinatorStore(dist.Store):
                 f"on coordinator {self._client.address})"
             ) from None
         except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
+            raise dist.DistNetworkError(f"store {self.prefix!r} of run {self._run_id!r}: {exc}") from None
 
     # -- the Store interface -------------------------------------------------------------------
 
     def set(self, key, value) -> None:
-        try:
+        with self._reaching():
             self._client.kv_set(self._run_id, [(self._key(key), _bytes(value))])
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     def get(self, key) -> bytes:
         return self._wait_values([key])[0]
@@ -142,18 +148,14 @@ class CoordinatorStore(dist.Store):
             raise TypeError(f"add: the amount must be an int, not {type(amount).__name__}")
         if not -(1 << 63) <= amount < 1 << 63:
             raise TypeError(f"add: the amount {amount} does not fit in an int64")
-        try:
+        with self._reaching():
             return self._client.kv_add(self._run_id, self._key(key), amount)
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     def compare_set(self, key, expected_value, desired_value) -> bytes:
-        try:
+        with self._reaching():
             value, _ = self._client.kv_compare_set(
                 self._run_id, self._key(key), _bytes(expected_value), _bytes(desired_value)
             )
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
         return value
 
     def wait(self, keys, timeout=None) -> None:
@@ -163,25 +165,19 @@ class CoordinatorStore(dist.Store):
         full = [self._key(k) for k in _key_list(keys)]
         if not full:
             return True
-        try:
+        with self._reaching():
             return all(v is not None for part in _parts(full) for v in self._client.kv_get(self._run_id, part))
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     def delete_key(self, key) -> bool:
-        try:
+        with self._reaching():
             return self._client.kv_delete(self._run_id, self._key(key))
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     deleteKey = delete_key  # the name torch's C++ trampoline looks up
 
     def num_keys(self) -> int:
         """Keys of the whole run, every prefix included (as ``PrefixStore`` over TCPStore counts)."""
-        try:
+        with self._reaching():
             return self._client.kv_num_keys(self._run_id)
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     getNumKeys = num_keys  # the name torch's C++ trampoline looks up
 
@@ -195,17 +191,15 @@ class CoordinatorStore(dist.Store):
         pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values)]
         if not pairs:
             return  # as torch's stores: nothing to set
-        try:
+        with self._reaching():
             for part in _parts(pairs):
                 self._client.kv_set(self._run_id, part)
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     def append(self, key, value) -> None:
         """Append to the value (creating it), atomically via compare-and-set retries."""
         full, tail = self._key(key), _bytes(value)
         give_up = time.monotonic() + APPEND_RETRY_S
-        try:
+        with self._reaching():
             while True:
                 current = self._client.kv_get(self._run_id, [full])[0]
                 expected = b"" if current is None else current
@@ -215,8 +209,6 @@ class CoordinatorStore(dist.Store):
                     return
                 if time.monotonic() > give_up:
                     raise dist.DistStoreError(f"append to {full!r}: value kept changing for {APPEND_RETRY_S:.0f}s")
-        except CoordinatorUnavailableError as exc:
-            raise self._network_error(exc) from None
 
     def has_extended_api(self) -> bool:
         return True
