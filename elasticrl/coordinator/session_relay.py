@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import logging
 import os
 import socket
 import struct
-import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -49,6 +47,7 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl._proto import coordinator_pb2_grpc as pb_grpc
 from elasticrl.coordinator import wire
 from elasticrl.coordinator.aio_session import batched_requests
+from elasticrl.owned_dirs import OwnedDir
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,7 @@ FOR_ENV = "ELASTICRL_SESSION_RELAY_FOR"
 _HEADER = struct.Struct(">I")
 MAX_REQUEST_BYTES = 1 << 20
 """A member's request frame is at most this long (they are tens of bytes); longer ends its connection."""
+RELAY_DIR_PREFIX = "elasticrl-relay-"
 MAX_SOCKET_DIR_BYTES = 90
 """A Unix socket's path is at most 107 bytes on Linux: a longer temp dir gives way to /tmp."""
 MAX_BUFFERED_BYTES = 16 << 20
@@ -262,10 +262,12 @@ class RelayThread:
     torchrun agent): ``path`` is its socket, in a fresh directory only this user can enter."""
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: str | None = None, start_timeout_s: float = 10.0):
-        self.directory = tempfile.mkdtemp(prefix="elasticrl-relay-")  # mode 0700
-        if len(os.fsencode(self.directory)) > MAX_SOCKET_DIR_BYTES:  # a long $TMPDIR (a cluster's job dir)
-            os.rmdir(self.directory)
-            self.directory = tempfile.mkdtemp(prefix="elasticrl-relay-", dir="/tmp")
+        # Mode 0700, and removed by the next relay on the host if this process is killed.
+        self._dir = OwnedDir(RELAY_DIR_PREFIX, "session relay directories")
+        if len(os.fsencode(self._dir.path)) > MAX_SOCKET_DIR_BYTES:  # a long $TMPDIR (a cluster's job dir)
+            self._dir.remove()
+            self._dir = OwnedDir(RELAY_DIR_PREFIX, "session relay directories", parent="/tmp")
+        self.directory = self._dir.path
         self.path = os.path.join(self.directory, "session.sock")
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -302,10 +304,7 @@ class RelayThread:
             asyncio.run_coroutine_threadsafe(self._relay.close(), self._loop).result(timeout_s)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout_s)
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.directory)
+        self._dir.remove()
 
 
 def _whole(data: bytes, size: int) -> bytes:

@@ -16,8 +16,6 @@ import contextlib
 import datetime
 import logging
 import os
-import secrets
-import tempfile
 import threading
 import time
 
@@ -46,6 +44,7 @@ from elasticrl.errors import (
     FencedError,
     RunClosedError,
 )
+from elasticrl.owned_dirs import OwnedDir
 from elasticrl.rendezvous.config import BACKEND, RendezvousConfig
 from elasticrl.rendezvous.store import CoordinatorStore
 from elasticrl.rendezvous.worker import LEASE_TTL_ENV, ROUND_ENV, STOP_FILE_ENV, armed_key, take_stop_request
@@ -164,8 +163,10 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._relay: RelayThread | None = None
         self._round_size = 0  # the participants of self._round
         self._failed_once = ""  # the kind of failure a worker asked to stop for, restarted once (_stop_if_asked)
-        # Where this agent's workers ask it to stop instead of restarting them (worker.request_stop).
-        self.stop_file = os.path.join(tempfile.gettempdir(), f"elasticrl-agent-{os.getpid()}-{secrets.token_hex(4)}.stop")
+        # Where this agent's workers ask it to stop instead of restarting them (worker.request_stop),
+        # in a directory of its own that the next agent on the host removes if this one is killed.
+        self._stop_dir = OwnedDir("elasticrl-agent-", "torchrun agent directories")
+        self.stop_file = os.path.join(self._stop_dir.path, "stop")
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
@@ -471,8 +472,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
             except ElasticRLError as exc:
                 log.warning("run %s: leaving failed (%s); the lease will lapse on its own", self.config.run_id, exc)
                 ok = False
-        with contextlib.suppress(OSError):
-            os.remove(self.stop_file)
+        self._stop_dir.remove()
         if os.environ.get(STOP_FILE_ENV) == self.stop_file:
             del os.environ[STOP_FILE_ENV]
         if self._relay is not None:

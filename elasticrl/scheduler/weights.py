@@ -32,7 +32,6 @@ imported inside them; the coordinator itself never decodes tensors).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.signals import Signals
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
+from elasticrl.owned_dirs import hold_owner_lock, remove_orphaned
 from elasticrl.scheduler.store import atomic_write, fsync_dir
 
 if TYPE_CHECKING:
@@ -60,9 +60,8 @@ FORMAT = "safetensors"
 DIR_NAME = "weights"
 CURRENT = "current.json"
 # A coordinator without a state dir keeps its weights in a private temp directory with this prefix,
-# holding an flock on its OWNER_LOCK file for as long as it lives (see remove_orphaned_dirs).
+# owned as ``owned_dirs`` says (removed by the next store on the host if the coordinator is killed).
 TMP_PREFIX = "elasticrl-weights-"
-OWNER_LOCK = ".owner.lock"
 UPLOAD_SUFFIX = ".upload.tmp"
 CHUNK_BYTES = 4 << 20
 """Data per ``WeightChunk`` message, well below the default 64 MiB gRPC message limit."""
@@ -268,53 +267,6 @@ def _log_removal_failure(removal: asyncio.Future) -> None:
         log.warning("could not remove an older weights file: %s", removal.exception())
 
 
-def hold_owner_lock(directory: pathlib.Path):
-    """Lock ``directory``'s OWNER_LOCK for as long as the returned file stays open (this process's
-    life: the kernel drops an flock when its holder dies, however it dies). Locked before it gets
-    its name, so no sweep ever finds it unlocked while its owner lives. None where the file
-    system has no flock (or there is no fcntl): the directory is then left to its exit handler."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        return None
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".owner.", suffix=".tmp")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.replace(tmp, directory / OWNER_LOCK)
-    except OSError as exc:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        log.warning("weights in %s: no owner lock (%s); if this coordinator is killed, nothing removes them", directory, exc)
-        return None
-    return os.fdopen(fd, "w")
-
-
-def remove_orphaned_dirs(parent: str | os.PathLike) -> list[str]:
-    """Delete the private weight directories under ``parent`` whose coordinator is gone (SIGKILLed,
-    OOM-killed: nobody removed them): those whose OWNER_LOCK no process holds. Returns them."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        return []
-    removed = []
-    for path in pathlib.Path(parent).glob(TMP_PREFIX + "*"):
-        try:
-            fd = os.open(path / OWNER_LOCK, os.O_RDONLY)
-        except OSError:
-            continue  # being made right now, or not one of these
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its coordinator lives
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
-        finally:
-            os.close(fd)
-    return removed
-
-
 class WeightStore:
     """The newest weights of each run, as files: durable under ``root`` when given, else in a
     private temp directory.
@@ -353,12 +305,12 @@ class WeightStore:
             # Not durable, but still not in memory: under $TMPDIR (so RAM after all if that is a
             # tmpfs), deleted with this object or at exit, or by the next store made on this host
             # if this process is killed (no exit handler runs then).
-            removed = remove_orphaned_dirs(tempfile.gettempdir())
+            removed = remove_orphaned(tempfile.gettempdir(), TMP_PREFIX)
             if removed:
                 log.info("removed the weights of %d coordinator(s) that were killed: %s", len(removed), ", ".join(removed))
             self._tmp = tempfile.TemporaryDirectory(prefix=TMP_PREFIX)
             self.directory = pathlib.Path(self._tmp.name)
-            self._owner = hold_owner_lock(self.directory)
+            self._owner = hold_owner_lock(self.directory, "weights")
 
     def latest(self, run_id: str) -> WeightBlob | None:
         return self._blobs.get(run_id)
