@@ -33,14 +33,16 @@ venv: $(VENV)/.installed
 
 # Two runs: the unit tests on UNIT_WORKERS processes (pytest-xdist; their own clocks, loopback at
 # most), then the integration tests one at a time (real coordinators and torchrun agents whose
-# leases and kills are timed on this machine's cores). The second runs even when the first fails,
-# and make fails if either did. PYTEST_ARGS goes to both; a run it leaves without a test to run
-# (pytest's exit status 5, e.g. -m "not integration") is no failure.
+# leases and kills are timed on this machine's cores). The second runs even when the first fails
+# (not after a Ctrl-C: pytest's status 2), and make fails if either did. PYTEST_ARGS goes to both;
+# a run it leaves without a test to run (status 5, e.g. -m "not integration") is no failure. One
+# file or test: .venv/bin/python -m pytest PATH.
 UNIT_WORKERS ?= 2
 
 test: venv
 	@rc=0; \
 	$(PY) -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	[ $$rc -eq 2 ] && exit 2; \
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
 	exit $$rc
 

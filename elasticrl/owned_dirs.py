@@ -5,21 +5,33 @@ long as it lives; the kernel drops the lock when its holder dies, however it die
 process on the host that makes a directory with the same prefix first removes those whose lock
 nobody holds (``remove_orphaned``): the weights of a SIGKILLed coordinator without a state dir,
 the session relay and stop-request directories of a SIGKILLed torchrun agent. Where the file
-system has no flock, the directory is only removed by its own process's ``remove``.
+system has no flock, the directory is only removed by its own process's ``remove``. Names carry
+the host's name, so that hosts sharing a ``$TMPDIR`` whose locks are local to each host (NFS with
+``local_lock``) only ever sweep their own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pathlib
+import re
 import shutil
+import socket
 import tempfile
 
 log = logging.getLogger(__name__)
 
 OWNER_LOCK = ".owner.lock"
+_MINE: set[str] = set()  # this process's directories: never swept (NFS's emulated flock is per process)
+
+
+def host_prefix(prefix: str) -> str:
+    """``prefix`` with this host's name (letters, digits, dots and dashes; at most 32)."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:32] or "host"
+    return f"{prefix}{host}-"
 
 
 def hold_owner_lock(directory: pathlib.Path, what: str):
@@ -32,7 +44,7 @@ def hold_owner_lock(directory: pathlib.Path, what: str):
         return None
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".owner.", suffix=".tmp")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file nobody else has opened yet
         os.replace(tmp, directory / OWNER_LOCK)
     except OSError as exc:
         os.close(fd)
@@ -52,14 +64,18 @@ def remove_orphaned(parent: str | os.PathLike, prefix: str) -> list[str]:
         return []
     removed = []
     for path in pathlib.Path(parent).glob(prefix + "*"):
+        if str(path) in _MINE:
+            continue
         try:
-            fd = os.open(path / OWNER_LOCK, os.O_RDONLY)
+            fd = os.open(path / OWNER_LOCK, os.O_RDWR)  # NFS locks only what is open for writing
         except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its owner lives
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # not "its owner lives": say why
+                log.debug("cannot tell whether %s is orphaned: %s", path, exc)
+            continue
         else:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
@@ -69,15 +85,18 @@ def remove_orphaned(parent: str | os.PathLike, prefix: str) -> list[str]:
 
 
 class OwnedDir:
-    """A fresh directory ``parent/prefix*`` (mode 0700) owned by this process; ``what`` names its
-    contents in the log. Those of the same prefix whose owner was killed are removed first."""
+    """A fresh directory ``parent/prefix<host>-*`` (mode 0700) owned by this process; ``what``
+    names its contents in the log. Those of the same kind whose owner was killed are removed
+    first. ``OSError`` when the directory cannot be made (a full or read-only ``$TMPDIR``)."""
 
     def __init__(self, prefix: str, what: str, parent: str | None = None):
         parent = parent or tempfile.gettempdir()
+        prefix = host_prefix(prefix)
         removed = remove_orphaned(parent, prefix)
         if removed:
             log.info("removed %d %s left by killed processes: %s", len(removed), what, ", ".join(removed))
         self.path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        _MINE.add(self.path)
         self._owner = hold_owner_lock(pathlib.Path(self.path), what)
 
     def remove(self) -> None:
@@ -86,3 +105,4 @@ class OwnedDir:
         if self._owner is not None:
             self._owner.close()
             self._owner = None
+        _MINE.discard(self.path)

@@ -165,15 +165,22 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         self._failed_once = ""  # the kind of failure a worker asked to stop for, restarted once (_stop_if_asked)
         # Where this agent's workers ask it to stop instead of restarting them (worker.request_stop),
         # in a directory of its own that the next agent on the host removes if this one is killed.
-        self._stop_dir = OwnedDir("elasticrl-agent-", "torchrun agent directories")
-        self.stop_file = os.path.join(self._stop_dir.path, "stop")
+        self._stop_dir: OwnedDir | None = None
+        self.stop_file = ""
+        try:
+            self._stop_dir = OwnedDir("elasticrl-agent-", "torchrun agent directories")
+            self.stop_file = os.path.join(self._stop_dir.path, "stop")
+        except OSError as exc:  # a full or read-only $TMPDIR: workers that fail for good are restarted as usual
+            log.warning("no directory for the workers' stop requests (%s): a worker that fails for good is restarted "
+                        "up to --max-restarts times", exc)
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":
         config = RendezvousConfig.from_params(params)
         export_to_workers(config)
         handler = cls(config)
-        os.environ[STOP_FILE_ENV] = handler.stop_file
+        if handler.stop_file:
+            os.environ[STOP_FILE_ENV] = handler.stop_file
         if config.session_relay and not os.environ.get(RELAY_ENV):
             handler._start_relay()
         return handler
@@ -323,7 +330,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         """A worker of this node failed in a way restarts do not fix (``worker.request_stop``): end
         the agent (torchrun's exception; its ``shutdown()`` then leaves the run) at once, or when the
         same kind of failure comes back after one restart."""
-        stop = take_stop_request(self.stop_file)
+        stop = take_stop_request(self.stop_file) if self.stop_file else None
         if stop is None:
             return
         cfg = self.config
@@ -472,8 +479,9 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
             except ElasticRLError as exc:
                 log.warning("run %s: leaving failed (%s); the lease will lapse on its own", self.config.run_id, exc)
                 ok = False
-        self._stop_dir.remove()
-        if os.environ.get(STOP_FILE_ENV) == self.stop_file:
+        if self._stop_dir is not None:
+            self._stop_dir.remove()
+        if self.stop_file and os.environ.get(STOP_FILE_ENV) == self.stop_file:
             del os.environ[STOP_FILE_ENV]
         if self._relay is not None:
             self._relay.stop()

@@ -114,6 +114,7 @@ class NodeTrainer(InPlace):
         self._publishing: BackgroundCall | None = None
         self.publisher: WeightPublisher | None = None
         self._unrecorded: dict | None = None
+        self._progress: BackgroundCall | None = None  # rank 0's last record of the run's progress
         self._token: str | None = None
 
     # -- set-up ------------------------------------------------------------------------------
@@ -268,9 +269,10 @@ class NodeTrainer(InPlace):
             return
         if start == 0:
             log.warning(
-                "the run had finished iteration %d, but no rank holds a snapshot or checkpoint of it: starting over "
-                "from iteration 1. To keep progress when nodes go, put checkpoint.dir on storage a new node can read, "
-                "or keep snapshots with buddy copies (checkpoint.snapshots, checkpoint.snapshot_buddies)", reached,
+                "starting over from iteration 1: the run had finished iteration %d on this coordinator (run id %s), "
+                "but no rank holds a snapshot or checkpoint of it (expected only for a new run under the same run id). "
+                "To keep progress when nodes go, put checkpoint.dir on storage a new node can read, or keep snapshots "
+                "with buddy copies (checkpoint.snapshots, checkpoint.snapshot_buddies)", reached, self.cfg.run.run_id,
             )
         else:
             log.info("the run had finished iteration %d; iterations %d-%d are done again from the one resumed",
@@ -278,11 +280,19 @@ class NodeTrainer(InPlace):
 
     def _record_progress(self, iteration: int) -> None:
         """Rank 0, after an iteration's record: the run's progress on the coordinator (see
-        ``_say_what_is_done_again``). Best effort: a coordinator that is down fails the next barrier."""
-        try:
-            self.client.kv_set(f"{self.cfg.run.run_id}.workers", {PROGRESS_KEY: str(iteration).encode()})
-        except ElasticRLError as exc:
-            log.debug("the run's progress was not recorded on the coordinator: %s", exc)
+        ``_say_what_is_done_again``), on a thread of its own, so that a coordinator restarting
+        meanwhile holds up no collective. Best effort: while the last one is still trying, this
+        one is skipped (the next iteration's records the progress)."""
+        if self._progress is not None and self._progress.running:
+            return
+
+        def record() -> None:
+            try:
+                self.client.kv_set(f"{self.cfg.run.run_id}.workers", {PROGRESS_KEY: str(iteration).encode()})
+            except ElasticRLError as exc:
+                log.debug("the run's progress was not recorded on the coordinator: %s", exc)
+
+        self._progress = BackgroundCall(record, "elasticrl-progress")
 
     # -- weights -------------------------------------------------------------------------------
 

@@ -171,8 +171,8 @@ def test_a_world_that_finds_nothing_to_resume_from_says_what_it_loses(tmp_path):
     result = run_demo(out, "--nodes", "2", "--iterations", "4", "--checkpoint-every", "0", "--kill-at", "2",
                       "--", "--checkpoint.snapshots=false")
     assert result.returncode == 0, result.stdout
-    lost = re.findall(r"WARNING .*the run had finished iteration (\d+), but no rank holds a snapshot or checkpoint of it: "
-                      r"starting over from iteration 1", result.stdout)
+    lost = re.findall(r"WARNING .*: starting over from iteration 1: the run had finished iteration (\d+) on this coordinator",
+                      result.stdout)
     assert len(lost) == 1 and int(lost[0]) >= 2, result.stdout
     iterations = [r["iteration"] for r in metrics(out)]
     assert iterations == list(range(1, int(lost[0]) + 1)) + [1, 2, 3, 4], iterations

@@ -22,6 +22,8 @@ from elasticrl.rollout import (  # noqa: E402
 from elasticrl.rollout.hf import HFEngine, filter_top_k_top_p  # noqa: E402
 from elasticrl.rollout.tiny_llama import write_tiny_llama  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 VOCAB = 64
 EOS = 2
 

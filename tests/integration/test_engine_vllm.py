@@ -27,7 +27,7 @@ VOCAB = 128
 HIDDEN = 256
 EOS = 2
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -4,42 +4,54 @@ the next process that makes one of the same kind, and never a live process's dir
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from elasticrl.owned_dirs import OWNER_LOCK, OwnedDir
+from elasticrl.owned_dirs import OWNER_LOCK, OwnedDir, host_prefix
 
 
-def killed_owner(parent, prefix: str) -> str:
-    """A process that makes an OwnedDir under ``parent``, puts a file in it, then SIGKILLs itself."""
+def start_owner(parent, prefix: str, *, die: bool) -> tuple[subprocess.Popen, str]:
+    """A process that makes an OwnedDir under ``parent`` and puts a file in it, then SIGKILLs
+    itself (``die``) or waits to be killed."""
+    end = "os.kill(os.getpid(), 9)" if die else "sys.stdin.read()"
     script = (
-        "import os, signal, sys; from elasticrl.owned_dirs import OwnedDir; "
+        "import os, sys; from elasticrl.owned_dirs import OwnedDir; "
         f"d = OwnedDir({prefix!r}, 'test dirs', parent={str(parent)!r}); "
-        "open(os.path.join(d.path, 'stop'), 'w').write('x'); print(d.path, flush=True); os.kill(os.getpid(), 9)"
+        f"open(os.path.join(d.path, 'stop'), 'w').write('x'); print(d.path, flush=True); {end}"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == -9, proc
-    path = proc.stdout.strip()
-    assert os.path.isfile(os.path.join(path, "stop")) and os.path.isfile(os.path.join(path, OWNER_LOCK))
-    return path
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    path = proc.stdout.readline().strip()
+    assert os.path.isfile(os.path.join(path, "stop")) and os.path.isfile(os.path.join(path, OWNER_LOCK)), path
+    if die:
+        assert proc.wait(60) == -signal.SIGKILL
+    return proc, path
 
 
 @pytest.mark.timeout(120)
 def test_the_next_owner_removes_a_killed_processes_directory_and_nothing_else(tmp_path):
-    orphan = killed_owner(tmp_path, "elasticrl-agent-")
-    other_kind = killed_owner(tmp_path, "elasticrl-relay-")
-    stray = tmp_path / "elasticrl-agent-not-one"  # no owner lock: not ours to delete
+    _, orphan = start_owner(tmp_path, "elasticrl-agent-", die=True)
+    _, other_kind = start_owner(tmp_path, "elasticrl-relay-", die=True)
+    alive, theirs = start_owner(tmp_path, "elasticrl-agent-", die=False)
+    assert os.path.basename(orphan).startswith(host_prefix("elasticrl-agent-"))
+    stray = tmp_path / (host_prefix("elasticrl-agent-") + "not-one")  # no owner lock: not ours to delete
     stray.mkdir()
-    live = OwnedDir("elasticrl-agent-", "test dirs", parent=str(tmp_path))
-    assert not os.path.exists(orphan)
-    assert os.path.isdir(other_kind) and stray.is_dir()  # another prefix, or no lock: left alone
-    second = OwnedDir("elasticrl-agent-", "test dirs", parent=str(tmp_path))
-    assert os.path.isdir(live.path) and os.path.isdir(second.path)  # a live owner's stays
-    oct_mode = os.stat(live.path).st_mode & 0o777
-    assert oct_mode == 0o700, oct(oct_mode)
-    live.remove()
-    live.remove()  # idempotent
-    assert not os.path.exists(live.path)
-    second.remove()
+    try:
+        mine = OwnedDir("elasticrl-agent-", "test dirs", parent=str(tmp_path))
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(other_kind) and stray.is_dir()  # another kind, or no lock: left alone
+        assert os.path.isfile(os.path.join(theirs, "stop"))  # a live process's stays
+        second = OwnedDir("elasticrl-agent-", "test dirs", parent=str(tmp_path))
+        assert os.path.isdir(mine.path) and os.path.isdir(second.path)  # and so do this process's own
+        assert os.stat(mine.path).st_mode & 0o777 == 0o700
+    finally:
+        alive.kill()
+        alive.wait(60)
+    third = OwnedDir("elasticrl-agent-", "test dirs", parent=str(tmp_path))  # its owner is gone now
+    assert not os.path.exists(theirs) and os.path.isdir(mine.path)
+    for d in (mine, second, third):
+        d.remove()
+        d.remove()  # idempotent
+        assert not os.path.exists(d.path)
