@@ -120,19 +120,18 @@ class CoordinatorStore(dist.Store):
         full = [self._key(k) for k in keys]
         timeout_s = self._timeout_s(timeout)
         deadline = time.monotonic() + timeout_s
-        try:
-            values: list[bytes] = []
-            for part in _parts(full):  # each part waits for what is left of the one timeout
-                values += self._client.kv_wait(self._run_id, part, max(deadline - time.monotonic(), 0.001))
-            return values
-        except CoordinatorTimeoutError:
-            shown = ", ".join(repr(k.decode(errors="replace")) for k in full[:4])
-            raise dist.DistStoreError(
-                f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {shown} (run {self._run_id!r} "
-                f"on coordinator {self._client.address})"
-            ) from None
-        except CoordinatorUnavailableError as exc:
-            raise dist.DistNetworkError(f"store {self.prefix!r} of run {self._run_id!r}: {exc}") from None
+        with self._reaching():  # what is left once a wait timeout is the store's own error
+            try:
+                values: list[bytes] = []
+                for part in _parts(full):  # each part waits for what is left of the one timeout
+                    values += self._client.kv_wait(self._run_id, part, max(deadline - time.monotonic(), 0.001))
+                return values
+            except CoordinatorTimeoutError:
+                shown = ", ".join(repr(k.decode(errors="replace")) for k in full[:4])
+                raise dist.DistStoreError(
+                    f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {shown} (run {self._run_id!r} "
+                    f"on coordinator {self._client.address})"
+                ) from None
 
     # -- the Store interface -------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
-from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version
+from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version, workers_run
 from elasticrl.train import reform
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, broadcast_json, init_process_group, set_waiter
@@ -133,7 +133,7 @@ class NodeTrainer(InPlace):
             c.address, token=token, tls_ca=c.tls_ca or None,
             call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
         )
-        members_run = f"{cfg.run.run_id}.workers"
+        members_run = workers_run(cfg.run.run_id)
         self.generation = self._next_generation()
         self._lead(token)
         self.membership = Membership(
@@ -196,7 +196,7 @@ class NodeTrainer(InPlace):
 
     def _next_generation(self) -> int:
         """*Collective.* A new generation of the worker group, drawn by rank 0 from the coordinator's KV."""
-        members_run = f"{self.cfg.run.run_id}.workers"
+        members_run = workers_run(self.cfg.run.run_id)
         generation = self.client.kv_add(members_run, GENERATION_KEY, 1) if self.world.rank == 0 else None
         return int(broadcast_json(generation, src=0))
 
@@ -260,7 +260,7 @@ class NodeTrainer(InPlace):
         """Rank 0: iterations the run had finished (the coordinator's record) after ``start``, the
         iteration it resumes from, are done again; from 0 they are lost, which is a warning."""
         try:
-            (raw,) = self.client.kv_get(f"{self.cfg.run.run_id}.workers", [PROGRESS_KEY])
+            (raw,) = self.client.kv_get(workers_run(self.cfg.run.run_id), [PROGRESS_KEY])
         except ElasticRLError as exc:
             log.debug("the run's progress could not be read from the coordinator: %s", exc)
             return
@@ -288,7 +288,7 @@ class NodeTrainer(InPlace):
 
         def record() -> None:
             try:
-                self.client.kv_set(f"{self.cfg.run.run_id}.workers", {PROGRESS_KEY: str(iteration).encode()})
+                self.client.kv_set(workers_run(self.cfg.run.run_id), {PROGRESS_KEY: str(iteration).encode()})
             except ElasticRLError as exc:
                 log.debug("the run's progress was not recorded on the coordinator: %s", exc)
 

@@ -41,3 +41,8 @@ def iteration_seed(seed: int, iteration: int, rank: int) -> int:
 def rollout_run(run_id: str) -> str:
     """The scheduler's run: every node's engine and every rollout-only worker is a member of it."""
     return f"{run_id}.rollout"
+
+
+def workers_run(run_id: str) -> str:
+    """The trainer workers' run: their membership, barriers, generation and progress record."""
+    return f"{run_id}.workers"
