@@ -21,6 +21,7 @@ import re
 import shutil
 import socket
 import tempfile
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ def remove_orphaned(parent: str | os.PathLike, prefix: str) -> list[str]:
 class OwnedDir:
     """A fresh directory ``parent/prefix<host>-*`` (mode 0700) owned by this process; ``what``
     names its contents in the log. Those of the same kind whose owner was killed are removed
-    first. ``OSError`` when the directory cannot be made (a full or read-only ``$TMPDIR``)."""
+    first. Removed by ``remove``, when the object is collected, or at exit (as a
+    ``TemporaryDirectory`` is); by the next maker of the kind if the process is killed.
+    ``OSError`` when the directory cannot be made (a full or read-only ``$TMPDIR``)."""
 
     def __init__(self, prefix: str, what: str, parent: str | None = None):
         parent = parent or tempfile.gettempdir()
@@ -97,12 +100,16 @@ class OwnedDir:
             log.info("removed %d %s left by killed processes: %s", len(removed), what, ", ".join(removed))
         self.path = tempfile.mkdtemp(prefix=prefix, dir=parent)
         _MINE.add(self.path)
-        self._owner = hold_owner_lock(pathlib.Path(self.path), what)
+        owner = hold_owner_lock(pathlib.Path(self.path), what)
+        self._finalizer = weakref.finalize(self, _remove, self.path, owner)
 
     def remove(self) -> None:
         """Delete the directory and everything in it (idempotent)."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self._owner is not None:
-            self._owner.close()
-            self._owner = None
-        _MINE.discard(self.path)
+        self._finalizer()
+
+
+def _remove(path: str, owner) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if owner is not None:
+        owner.close()
+    _MINE.discard(path)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.signals import Signals
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
-from elasticrl.owned_dirs import hold_owner_lock, host_prefix, remove_orphaned
+from elasticrl.owned_dirs import OwnedDir
 from elasticrl.scheduler.store import atomic_write, fsync_dir
 
 if TYPE_CHECKING:
@@ -305,12 +305,8 @@ class WeightStore:
             # Not durable, but still not in memory: under $TMPDIR (so RAM after all if that is a
             # tmpfs), deleted with this object or at exit, or by the next store made on this host
             # if this process is killed (no exit handler runs then).
-            removed = remove_orphaned(tempfile.gettempdir(), host_prefix(TMP_PREFIX))
-            if removed:
-                log.info("removed the weights of %d coordinator(s) that were killed: %s", len(removed), ", ".join(removed))
-            self._tmp = tempfile.TemporaryDirectory(prefix=host_prefix(TMP_PREFIX))
-            self.directory = pathlib.Path(self._tmp.name)
-            self._owner = hold_owner_lock(self.directory, "weights")
+            self._tmp = OwnedDir(TMP_PREFIX, "coordinator weight directories")
+            self.directory = pathlib.Path(self._tmp.path)
 
     def latest(self, run_id: str) -> WeightBlob | None:
         return self._blobs.get(run_id)

@@ -55,3 +55,18 @@ def test_the_next_owner_removes_a_killed_processes_directory_and_nothing_else(tm
         d.remove()
         d.remove()  # idempotent
         assert not os.path.exists(d.path)
+
+
+@pytest.mark.timeout(120)
+def test_a_directory_goes_with_its_object_or_at_exit_without_a_remove(tmp_path):
+    d = OwnedDir("elasticrl-agent-", "test dirs", parent=str(tmp_path))
+    path = d.path
+    del d  # collected: removed, as a TemporaryDirectory is
+    assert not os.path.exists(path)
+    script = (
+        "from elasticrl.owned_dirs import OwnedDir; "
+        f"d = OwnedDir('elasticrl-agent-', 'test dirs', parent={str(tmp_path)!r}); print(d.path, flush=True)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip().startswith(str(tmp_path)) and not os.path.exists(out.stdout.strip())
+    assert list(tmp_path.iterdir()) == []
