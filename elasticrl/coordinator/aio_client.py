@@ -174,25 +174,15 @@ class AsyncCoordinatorClient:
     async def kv_wait(self, run_id: str, keys: list[bytes], timeout_s: float) -> list[bytes]:
         """Block until every key exists and return the values; ``CoordinatorTimeoutError`` after
         ``timeout_s`` (a coordinator restart meanwhile: as ``CoordinatorClient.kv_wait``)."""
-        give_up = time.monotonic() + timeout_s
-        outage, answered = wire.ReopenBudget(self.reconnect_timeout_s), True
+        plan = wire.KVWait(run_id, keys, timeout_s, self.reconnect_timeout_s, MAX_WAIT_CHUNK_S)
         while True:
-            wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            request, wait_s = plan.request()
             try:
-                resp = await self._call(
-                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S, retry_s=0
-                )
-                return list(resp.values)
-            except CoordinatorTimeoutError:
-                if time.monotonic() >= give_up:
-                    raise
-                answered = True
-            except CoordinatorUnavailableError:
-                pause, answered = outage.pause_after(answered), False
-                left = give_up - time.monotonic()
-                if pause is None or left <= 0:
-                    raise
-                await asyncio.sleep(min(pause, left))  # at the deadline one last try: a timeout if it answers
+                return list((await self._call("KVGet", request, timeout_s=wait_s + DEADLINE_SLACK_S, retry_s=0)).values)
+            except CoordinatorTimeoutError as exc:
+                plan.timed_out(exc)
+            except CoordinatorUnavailableError as exc:
+                await asyncio.sleep(plan.unavailable(exc))
 
     async def kv_add(self, run_id: str, key: bytes, delta: int) -> int:
         return (await self._call("KVAdd", pb.KVAddRequest(run_id=run_id, key=key, delta=delta))).value

@@ -281,25 +281,15 @@ class CoordinatorClient:
         (re-sent as it was, the request would wait its whole chunk again there), for as long as
         the reconnect budget allows: ``CoordinatorUnavailableError`` past it, or at ``timeout_s``
         if the coordinator is still down then."""
-        give_up = time.monotonic() + timeout_s
-        outage, answered = wire.ReopenBudget(self.reconnect_timeout_s), True
+        plan = wire.KVWait(run_id, keys, timeout_s, self.reconnect_timeout_s, MAX_WAIT_CHUNK_S)
         while True:
-            wait_s = max(0.001, min(MAX_WAIT_CHUNK_S, give_up - time.monotonic()))
+            request, wait_s = plan.request()
             try:
-                resp = self._call(
-                    "KVGet", wire.kv_wait_request(run_id, keys, wait_s), timeout_s=wait_s + DEADLINE_SLACK_S, retry_s=0
-                )
-                return list(resp.values)
-            except CoordinatorTimeoutError:
-                if time.monotonic() >= give_up:
-                    raise
-                answered = True
-            except CoordinatorUnavailableError:
-                pause, answered = outage.pause_after(answered), False
-                left = give_up - time.monotonic()
-                if pause is None or left <= 0:
-                    raise
-                time.sleep(min(pause, left))  # at the deadline one last try: a timeout if it answers
+                return list(self._call("KVGet", request, timeout_s=wait_s + DEADLINE_SLACK_S, retry_s=0).values)
+            except CoordinatorTimeoutError as exc:
+                plan.timed_out(exc)
+            except CoordinatorUnavailableError as exc:
+                time.sleep(plan.unavailable(exc))
 
     def kv_compare_set(
         self, run_id: str, key: bytes, expected: bytes, desired: bytes, *, writer: tuple[str, int] | None = None,

@@ -172,8 +172,34 @@ def kv_set_request(run_id: str, pairs, writer: tuple[str, int] | None = None) ->
     return pb.KVSetRequest(run_id=run_id, pairs=[pb.KVPair(key=k, value=v) for k, v in items], **writer_ref(writer))
 
 
-def kv_wait_request(run_id: str, keys: list[bytes], wait_s: float) -> pb.KVGetRequest:
-    return pb.KVGetRequest(run_id=run_id, keys=keys, wait_ms=max(1, int(wait_s * 1000)))
+class KVWait:
+    """The plan of a client's ``kv_wait`` (sync and asyncio alike): ``request`` asks for the next
+    chunk of at most ``MAX_WAIT_CHUNK_S``; after a chunk that timed out, ``timed_out`` raises once
+    ``timeout_s`` is spent; after an unreachable coordinator, ``unavailable`` gives the pause
+    before asking again (with the time left: re-sent as it was, the request would wait its whole
+    chunk again), or raises past the reconnect budget or at ``timeout_s``."""
+
+    def __init__(self, run_id: str, keys: list[bytes], timeout_s: float, reconnect_timeout_s: float, max_chunk_s: float):
+        self.run_id, self.keys, self.max_chunk_s = run_id, keys, max_chunk_s
+        self.give_up = time.monotonic() + timeout_s
+        self._outage, self._answered = ReopenBudget(reconnect_timeout_s), True
+
+    def request(self) -> tuple[pb.KVGetRequest, float]:
+        """The next request and how long the coordinator may hold it (s)."""
+        wait_s = max(0.001, min(self.max_chunk_s, self.give_up - time.monotonic()))
+        return pb.KVGetRequest(run_id=self.run_id, keys=self.keys, wait_ms=max(1, int(wait_s * 1000))), wait_s
+
+    def timed_out(self, exc: Exception) -> None:
+        if time.monotonic() >= self.give_up:
+            raise exc
+        self._answered = True
+
+    def unavailable(self, exc: Exception) -> float:
+        pause, self._answered = self._outage.pause_after(self._answered), False
+        left = self.give_up - time.monotonic()
+        if pause is None or left <= 0:
+            raise exc
+        return min(pause, left)  # at the deadline one last try: a timeout if it answers
 
 
 def kv_values(keys: list[bytes], resp: pb.KVGetResponse) -> list[bytes | None]:
