@@ -150,6 +150,7 @@ class RolloutWorker:
         self._unacked_keys: collections.deque[list[tuple[int, str]]] = collections.deque()
         self._outbox: asyncio.Queue | None = None
         self._stopping = False
+        self._leaving = False  # a clean stop's leave is on its way: the stream's end says nothing
         self._acked = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -179,12 +180,17 @@ class RolloutWorker:
                 # for a crash (a half-close and a killed process's reset look alike to it), but
                 # not once the member has left. Keep-alives stop first: one answered after the
                 # leave reads as fenced ("left"), and a clean stop raised it.
+                # The same for the stream: the coordinator ends it as fenced ("left") once the
+                # leave is in, which may reach it before the leave's own answer reaches us.
                 lease.cancel()
                 await asyncio.gather(lease, return_exceptions=True)
+                self._leaving = True
                 try:
                     await client.leave(self.run_id, self.member_id, self.incarnation, "worker stopped")
                 except ElasticRLError as exc:
                     log.warning("worker %s: leave failed: %s", self.member_id, exc)
+                streams.cancel()
+                await asyncio.gather(streams, return_exceptions=True)
             for task in (streams, lease, stopper):
                 task.cancel()
             if failed is not None:
@@ -304,7 +310,7 @@ class RolloutWorker:
             if worth_reopening(err):
                 return up, err.details() or err.code().name
             exc = codes.error_from_rpc(err, self.address)
-            if isinstance(exc, FencedError):
+            if isinstance(exc, FencedError) and not self._leaving:
                 self.fenced = exc
             raise exc from None
         except asyncio.CancelledError:

@@ -644,3 +644,54 @@ def test_a_clean_stop_does_not_raise_fenced_from_a_keep_alive_that_crosses_the_l
 
     asyncio.run(scenario())
     assert worker.fenced is None
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_stop_does_not_raise_fenced_from_a_stream_reopened_across_the_leave(coordinator_factory, monkeypatch):
+    """Minimized from the random schedule (seed 2): the coordinator restarts just before a clean
+    stop; the worker's Work stream is reopened only after its leave is in (held here until then,
+    a backoff pause in the run), and the coordinator refuses the hello of a member that left."""
+    from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
+
+    coordinator = coordinator_factory(lease_ttl_s=5.0)
+    real_leave, real_stream = AsyncCoordinatorClient.leave, RolloutWorker._one_stream
+    left: list[asyncio.Event] = []
+    streams: list[str] = []
+
+    async def slow_leave(self, *args, **kwargs):
+        epoch = await real_leave(self, *args, **kwargs)
+        left[0].set()
+        await asyncio.sleep(0.5)  # the reply on its way back
+        return epoch
+
+    async def held_stream(self, executor):
+        if streams:  # a reopen: after the leave
+            await left[0].wait()
+        streams.append("opened")
+        return await real_stream(self, executor)
+
+    monkeypatch.setattr(AsyncCoordinatorClient, "leave", slow_leave)
+    monkeypatch.setattr(RolloutWorker, "_one_stream", held_stream)
+
+    def generate(a: Assignment) -> GroupRecord:
+        return GroupRecord(a.task.task_id, "w0", 0, 0.0, 0.0, [SampleRecord(_tokens(a.task.task_id, 0, 4), b"\0" * 16, 1.0)])
+
+    worker = RolloutWorker(coordinator.address, RUN, "w0", generate, call_timeout_s=5.0, reconnect_timeout_s=HARD_TIMEOUT_S)
+
+    async def scenario() -> None:
+        left.append(asyncio.Event())
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        while not streams:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # streaming
+        coordinator.kill()
+        while worker.stats.reconnects == 0:  # its first stream ended with the coordinator
+            await asyncio.sleep(0.05)
+        coordinator.start()
+        stop.set()
+        await asyncio.wait_for(running, HARD_TIMEOUT_S)  # a clean stop returns None
+        assert len(streams) == 2  # the reopen happened, after the leave
+
+    asyncio.run(scenario())
+    assert worker.fenced is None
