@@ -31,19 +31,23 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 
 venv: $(VENV)/.installed
 
-# Two runs: the unit tests on UNIT_WORKERS processes (pytest-xdist; their own clocks, loopback at
-# most), then the integration tests one at a time (real coordinators and torchrun agents whose
-# leases and kills are timed on this machine's cores). The second runs even when the first fails
-# (not after a Ctrl-C: pytest's status 2), and make fails if either did. PYTEST_ARGS goes to both;
-# a run it leaves without a test to run (status 5, e.g. -m "not integration") is no failure. One
-# file or test: .venv/bin/python -m pytest PATH.
+# Three runs: the unit tests on UNIT_WORKERS processes (pytest-xdist; their own clocks, loopback at
+# most); the integration tests marked `waits` on WAITS_WORKERS processes (they mostly wait on
+# leases, deadlines and restarts: ~335 s one at a time, ~110 s on 3 on two cores); then the other
+# integration tests one at a time (real coordinators, torchrun agents and training whose leases and
+# kills are timed on this machine's cores). Every run runs even when one before failed (not after
+# a Ctrl-C: pytest's status 2), and make fails if any did. PYTEST_ARGS goes to each; a run it
+# leaves without a test to run (status 5, e.g. -m "not integration") is no failure. One file or
+# test: .venv/bin/python -m pytest PATH.
 UNIT_WORKERS ?= 2
+WAITS_WORKERS ?= 3
 
 test: venv
 	@rc=0; \
-	$(PY) -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
-	[ $$rc -eq 2 ] && exit 2; \
-	$(PY) -m pytest tests/integration $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	for run in "tests/unit -n $(UNIT_WORKERS)" "tests/integration --part=waits -n $(WAITS_WORKERS)" "tests/integration --part=busy"; do \
+		$(PY) -m pytest $$run $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+		[ $$rc -eq 2 ] && exit 2; \
+	done; \
 	exit $$rc
 
 demo: $(VENV)/.installed-demo

@@ -148,3 +148,23 @@ def _free_snapshots(tmp_path_factory):
     for path in new:
         if path.name.rsplit("-", 1)[-1] in tags:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--part", choices=("all", "waits", "busy"), default="all",
+        help="all tests, or only those marked waits (they mostly wait, not on the CPU: run on several "
+             "processes), or only the others (timed on this machine's cores: run one at a time)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    part = config.getoption("part")
+    if part == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("waits") is not None) == (part == "waits") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -12,7 +12,7 @@ from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.state import Outcome
 from elasticrl.errors import FencedError
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 
 
 def _run(coro):

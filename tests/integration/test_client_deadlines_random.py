@@ -62,7 +62,7 @@ from tests.conftest import CoordinatorProcess
 from tests.fault_injector import Fault, Injector, safely_end, thread_stacks, wait_threads_gone
 from tests.tcp_proxy import TcpProxy
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 SEEDS = int(os.environ.get("CLIENT_DEADLINE_SEEDS", "2"))
 

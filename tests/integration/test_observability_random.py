@@ -73,7 +73,7 @@ from elasticrl.scheduler.state import TaskSpec
 from tests.conftest import REPO, wait_until
 from tests.integration.prometheus import parse_exposition
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), pytest.mark.waits]
 
 SEEDS = range(int(os.environ.get("ELASTICRL_RANDOM_SEEDS", "3")))
 STEPS = 60

@@ -27,7 +27,7 @@ from elasticrl.coordinator.client import CoordinatorClient  # noqa: E402
 from elasticrl.rendezvous.handler import ElasticRLRendezvousHandler  # noqa: E402
 from tests.conftest import REPO, wait_until  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 TTL_S = 1.0
 
 

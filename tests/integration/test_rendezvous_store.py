@@ -18,7 +18,7 @@ from torch.distributed.elastic.utils import store as store_util  # noqa: E402
 from elasticrl.coordinator.client import CoordinatorClient  # noqa: E402
 from elasticrl.rendezvous.store import CoordinatorStore  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 RUN = "store-test"
 
 

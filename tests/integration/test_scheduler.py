@@ -18,7 +18,7 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.state import TaskSpec
 from tests.conftest import REPO, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 WORKER = REPO / "bench" / "fake_rollout_worker.py"
 sys.path.insert(0, str(REPO / "bench"))
 from fake_rollout_worker import fake_tokens  # noqa: E402

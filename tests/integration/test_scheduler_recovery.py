@@ -13,7 +13,7 @@ from elasticrl.scheduler.store import MANIFEST, TrajectoryStore
 from tests.conftest import wait_until
 from tests.integration.test_scheduler import fetch_all, tasks, wait_members, workers  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 N_TASKS = 30
 
 

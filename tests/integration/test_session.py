@@ -13,7 +13,7 @@ from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.state import Outcome
 from elasticrl.errors import AuthError, CoordinatorUnavailableError, FencedError, InvalidRequestError
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 
 
 def _run(coro, timeout_s: float = 30):

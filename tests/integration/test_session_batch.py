@@ -23,7 +23,7 @@ from elasticrl.errors import FencedError
 
 from tests.conftest import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 
 
 def _run(coro, timeout_s: float = 30):

@@ -17,7 +17,7 @@ from elasticrl.coordinator import wire
 from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.session import SESSION_MAX_ARRIVALS, SESSION_MAX_PENDING
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.waits]
 
 PAD_BYTES = 8 << 10
 # Past SESSION_MAX_PENDING, gRPC itself buffers a few MiB of a stream's requests (its flow-control

@@ -28,7 +28,7 @@ from tests.integration.test_coordinator import members  # noqa: F401 - a fixture
 from tests.integration.test_metrics import scrape, with_metrics
 from tests.integration.test_stream_liveness import member_state
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 def released(m, name: str, timeout_s: float) -> dict:

@@ -35,7 +35,7 @@ from elasticrl.coordinator.state import BarrierResult
 from elasticrl.errors import BarrierTimeoutError, ElasticRLError, FencedError
 from tests.conftest import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 LEASE_TTL_S = 10.0  # a keep-alive every 3.3 s: an eviction within EVICT_BOUND_S is the broken stream's
 STREAM_GRACE_S = 1.5  # --stream-grace (default 0.5): room for a relay's members to stream directly on a loaded CI machine

@@ -34,7 +34,7 @@ from elasticrl.errors import InvalidRequestError
 from elasticrl.rendezvous.store import CoordinatorStore
 from tests.integration.test_store_contract import shared_client, shared_coordinator  # noqa: F401 - fixtures
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 
 td = datetime.timedelta
 LONG_S = 5.0  # the store timeout for operations on present keys (never reached)

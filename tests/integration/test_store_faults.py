@@ -43,7 +43,7 @@ from elasticrl.rendezvous.store import CoordinatorStore  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 from tests.tcp_proxy import TcpProxy  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 # How long after the event that releases it (the key set, SIGCONT) a blocked call must return:
 # the client's reconnect backoff is at most ~1 s (wire.retry_wait, grpc's max reconnect backoff).

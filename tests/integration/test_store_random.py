@@ -44,7 +44,7 @@ from elasticrl.errors import InvalidRequestError  # noqa: E402
 from elasticrl.rendezvous.store import CoordinatorStore  # noqa: E402
 from tests.conftest import CoordinatorProcess  # noqa: E402
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 N_SEEDS = int(os.environ.get("STORE_RANDOM_SEEDS", "6"))  # 16 passed; more: STORE_RANDOM_SEEDS=N
 STEPS = 55

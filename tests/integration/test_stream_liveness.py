@@ -20,7 +20,7 @@ from tests.conftest import wait_until
 from tests.tcp_proxy import TcpProxy
 from tests.integration.test_coordinator import members  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 
 def member_state(client: CoordinatorClient, run: str, member: str) -> dict:

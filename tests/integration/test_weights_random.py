@@ -70,7 +70,7 @@ from tests.conftest import REPO, CoordinatorProcess, wait_until
 from tests.fault_injector import Fault, Injector, safely_end, thread_stacks, wait_threads_gone
 from tests.tcp_proxy import TcpProxy
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 # The default seeds' fault plans between them SIGSTOP for 1.5, 4.5 and 8.5 s (past a publish
 # attempt's deadline, past a fetch's), SIGKILL for 0.1, 1 and 3.5 s (past the reconnect budget), reset

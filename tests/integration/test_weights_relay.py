@@ -20,7 +20,7 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.weights import peer as P
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.waits]
 WORKER = REPO / "bench" / "weights_worker.py"
 RUN = "relay-run.rollout"
 MB = 1 << 20

@@ -20,7 +20,7 @@ from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from tests.conftest import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 RUN = "spool-run"
 DECLARED = 3 << 30  # what a hostile or broken client claims it will send
 MiB = 1 << 20

@@ -47,7 +47,7 @@ from elasticrl.scheduler.worker import Assignment, RolloutWorker
 from tests.conftest import wait_until
 from tests.tcp_proxy import TcpProxy
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.waits]
 
 RUN = "wrand"
 SEEDS = [int(s) for s in os.environ.get("WORKER_RANDOM_SEEDS", "1,2,3,4,5,6").split(",")]  # more: set it
