@@ -166,13 +166,16 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         # Where this agent's workers ask it to stop instead of restarting them (worker.request_stop),
         # in a directory of its own that the next agent on the host removes if this one is killed.
         self._stop_dir: OwnedDir | None = None
-        self.stop_file = ""
         try:
             self._stop_dir = OwnedDir("elasticrl-agent-", "torchrun agent directories")
-            self.stop_file = os.path.join(self._stop_dir.path, "stop")
         except OSError as exc:  # a full or read-only $TMPDIR: workers that fail for good are restarted as usual
             log.warning("no directory for the workers' stop requests (%s): a worker that fails for good is restarted "
                         "up to --max-restarts times", exc)
+
+    @property
+    def stop_file(self) -> str:
+        """Where this agent's workers ask it to stop; "" when it has no directory for that."""
+        return "" if self._stop_dir is None else os.path.join(self._stop_dir.path, "stop")
 
     @classmethod
     def from_params(cls, params) -> "ElasticRLRendezvousHandler":

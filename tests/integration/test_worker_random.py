@@ -564,8 +564,7 @@ def test_a_task_handed_out_again_whose_result_is_unacked_is_not_run_twice_or_pas
                 go.wait(HARD_TIMEOUT_S)
             else:
                 time.sleep(0.5)
-            return [GroupRecord(a.task.task_id, "w0", 0, 0.0, 0.0, [SampleRecord(_tokens(a.task.task_id, 0, 4), b"\0" * 16, 1.0)])
-                    for a in batch]
+            return [_one_group(a) for a in batch]
         finally:
             with lock:
                 running[0] -= len(batch)
@@ -612,26 +611,35 @@ async def _unacked(worker: RolloutWorker) -> int:
     return len(worker.unacked)
 
 
-@pytest.mark.timeout(60)
-def test_a_clean_stop_does_not_raise_fenced_from_a_keep_alive_that_crosses_the_leave(coordinator_factory, monkeypatch):
-    """Minimized: the leave's reply takes a while (a busy or just restarted coordinator; here a
-    delay after the real Leave) while keep-alives go every 0.2 s."""
+def _one_group(a: Assignment) -> GroupRecord:
+    """The minimized tests' engine: one short sample for ``a``, from worker w0."""
+    return GroupRecord(a.task.task_id, "w0", 0, 0.0, 0.0, [SampleRecord(_tokens(a.task.task_id, 0, 4), b"\0" * 16, 1.0)])
+
+
+def _slow_leave(monkeypatch, left: asyncio.Event | None = None) -> None:
+    """Every worker's Leave answered 0.5 s after the coordinator took it (a busy or just restarted
+    coordinator; the reply on its way back), ``left`` set meanwhile."""
     from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 
-    coordinator = coordinator_factory(lease_ttl_s=5.0)
     real_leave = AsyncCoordinatorClient.leave
 
     async def slow_leave(self, *args, **kwargs):
         epoch = await real_leave(self, *args, **kwargs)
-        await asyncio.sleep(0.5)  # the reply on its way back
+        if left is not None:
+            left.set()
+        await asyncio.sleep(0.5)
         return epoch
 
     monkeypatch.setattr(AsyncCoordinatorClient, "leave", slow_leave)
 
-    def generate(a: Assignment) -> GroupRecord:
-        return GroupRecord(a.task.task_id, "w0", 0, 0.0, 0.0, [SampleRecord(_tokens(a.task.task_id, 0, 4), b"\0" * 16, 1.0)])
 
-    worker = RolloutWorker(coordinator.address, RUN, "w0", generate, lease_ttl_s=0.6, call_timeout_s=5.0,
+@pytest.mark.timeout(60)
+def test_a_clean_stop_does_not_raise_fenced_from_a_keep_alive_that_crosses_the_leave(coordinator_factory, monkeypatch):
+    """Minimized: the leave's reply takes a while (a busy or just restarted coordinator; here a
+    delay after the real Leave) while keep-alives go every 0.2 s."""
+    coordinator = coordinator_factory(lease_ttl_s=5.0)
+    _slow_leave(monkeypatch)
+    worker = RolloutWorker(coordinator.address, RUN, "w0", _one_group, lease_ttl_s=0.6, call_timeout_s=5.0,
                            reconnect_timeout_s=HARD_TIMEOUT_S)
 
     async def scenario() -> None:
@@ -651,35 +659,23 @@ def test_a_clean_stop_does_not_raise_fenced_from_a_stream_reopened_across_the_le
     """Minimized from the random schedule (seed 2): the coordinator restarts just before a clean
     stop; the worker's Work stream is reopened only after its leave is in (held here until then,
     a backoff pause in the run), and the coordinator refuses the hello of a member that left."""
-    from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
-
     coordinator = coordinator_factory(lease_ttl_s=5.0)
-    real_leave, real_stream = AsyncCoordinatorClient.leave, RolloutWorker._one_stream
-    left: list[asyncio.Event] = []
+    real_stream = RolloutWorker._one_stream
+    left = asyncio.Event()
     streams: list[str] = []
-
-    async def slow_leave(self, *args, **kwargs):
-        epoch = await real_leave(self, *args, **kwargs)
-        left[0].set()
-        await asyncio.sleep(0.5)  # the reply on its way back
-        return epoch
+    _slow_leave(monkeypatch, left)
 
     async def held_stream(self, executor):
         if streams:  # a reopen: after the leave
-            await left[0].wait()
+            await left.wait()
         streams.append("opened")
         return await real_stream(self, executor)
 
-    monkeypatch.setattr(AsyncCoordinatorClient, "leave", slow_leave)
     monkeypatch.setattr(RolloutWorker, "_one_stream", held_stream)
 
-    def generate(a: Assignment) -> GroupRecord:
-        return GroupRecord(a.task.task_id, "w0", 0, 0.0, 0.0, [SampleRecord(_tokens(a.task.task_id, 0, 4), b"\0" * 16, 1.0)])
-
-    worker = RolloutWorker(coordinator.address, RUN, "w0", generate, call_timeout_s=5.0, reconnect_timeout_s=HARD_TIMEOUT_S)
+    worker = RolloutWorker(coordinator.address, RUN, "w0", _one_group, call_timeout_s=5.0, reconnect_timeout_s=HARD_TIMEOUT_S)
 
     async def scenario() -> None:
-        left.append(asyncio.Event())
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
         while not streams:
