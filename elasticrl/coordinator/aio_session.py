@@ -313,8 +313,9 @@ class AsyncSession:
             # The server sends initial metadata as soon as the stream is up. Nothing is written
             # before that, so a refused stream (token) never races a write with its status.
             try:
-                await asyncio.wait_for(call.initial_metadata(), self.call_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.call_timeout_s):
+                    await call.initial_metadata()
+            except TimeoutError:
                 call.cancel()
                 return False, f"stream not opened within {self.call_timeout_s:.1f}s"
             if not call.done():

@@ -206,8 +206,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield pb.WatchResponse(snapshot=run_snapshot(self.core, run))
             while True:
                 try:
-                    await asyncio.wait_for(watcher.dirty.wait(), WATCH_HEARTBEAT_S)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(WATCH_HEARTBEAT_S):
+                        await watcher.dirty.wait()
+                except TimeoutError:
                     pass  # heartbeat: a fresh snapshot proves the stream is alive
                 events = watcher.take()
                 run = self.core.runs.get(run_id)

@@ -198,8 +198,9 @@ class SessionRelay:
         detail, up = "the coordinator ended the stream", False
         try:
             try:
-                await asyncio.wait_for(call.initial_metadata(), self.call_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.call_timeout_s):
+                    await call.initial_metadata()
+            except TimeoutError:
                 call.cancel()
                 detail = f"stream not opened within {self.call_timeout_s:.1f}s"
                 return

@@ -70,8 +70,11 @@ class EnvPool:
         self.make_env = make_env
         self.max_turns = max_turns
         self.timeout_s = timeout_s
-        self.closed = False
         self.closing: set[asyncio.Task] = set()  # closes in flight (the runner's close must not cancel them)
+        # Set under the lock at the end of ``close``: the loop runs no more closes, so an env whose
+        # call or build returns later is closed on its own thread (see ``_close_soon``).
+        self._stopped = False
+        self._stopping = threading.Lock()
         self._idle: list[TurnLimit] = []
         self._threads: dict[int, EnvThread] = {}  # id(env) -> the thread it was built on and runs on
         self._busy: dict[int, concurrent.futures.Future] = {}  # id(env) -> its latest sync call
@@ -88,7 +91,8 @@ class EnvPool:
                 built = await asyncio.wrap_future(build, loop=self.loop)
         except BaseException as exc:
             # Failed, past its deadline, or its episode is gone (the group failed): an env the
-            # build still returns is closed then, and the thread ends.
+            # build still returns is closed then (``close`` waits for it), and the thread ends.
+            self._deferred.add(build)
             build.add_done_callback(lambda done: self._orphan(done, thread))
             if isinstance(exc, TimeoutError):
                 raise EnvError(f"building an env took longer than env.step_timeout_s = {self.timeout_s:g}s") from None
@@ -129,12 +133,10 @@ class EnvPool:
         busy = self._busy.pop(id(env), None)
         if busy is not None and not busy.done():
             self._deferred.add(busy)  # ``close`` waits for it, then for this close
+            thread = self._threads[id(env)]
 
             def later(_: concurrent.futures.Future) -> None:
-                try:
-                    self.loop.call_soon_threadsafe(self._close_later, env)
-                except RuntimeError:  # the loop is closed: the runner gave up on this call
-                    pass
+                self._close_soon(env, thread)
                 self._deferred.discard(busy)
 
             busy.add_done_callback(later)
@@ -143,20 +145,26 @@ class EnvPool:
 
     async def close(self, timeout_s: float) -> None:
         """Close every env: the idle ones, those whose last call returns within ``timeout_s``, and
-        the closes in flight. The caller ends the episodes first."""
-        self.closed = True
+        the closes in flight. The caller ends the episodes first, and stops the loop after."""
         envs, self._idle = self._idle, []
         for env in envs:
             await self._close(env)
+        # Calls past their deadline and builds whose episode is gone: each one's close is queued
+        # (``_close_soon``) before the wait sees it done.
         running = [asyncio.wrap_future(f, loop=self.loop) for f in list(self._deferred)]
         if running:
             await asyncio.wait(running, timeout=timeout_s)
-            await asyncio.sleep(0)  # their closes, queued right after the calls' ends, start
+        with self._stopping:
+            self._stopped = True  # from here on, a late one closes its env on its own thread
+        await asyncio.sleep(0)  # the closes queued before that start (the queue is in order)
         if self.closing:
             await asyncio.wait(set(self.closing), timeout=timeout_s)
 
     def stop_threads(self) -> None:
-        """End every env thread (daemons: one still in a hung call ends with the process)."""
+        """End every env thread (daemons: one still in a hung call ends with the process); the
+        loop has stopped (a call that returns later closes its env on its thread)."""
+        with self._stopping:
+            self._stopped = True
         for thread in self._threads.values():
             thread.stop()
         self._threads.clear()
@@ -182,22 +190,31 @@ class EnvPool:
         """A build whose episode did not take its env (any thread): close the env it returned."""
         if build.cancelled() or build.exception() is not None:
             thread.stop()
-            return
-        env = TurnLimit(build.result(), self.max_turns)
+        else:
+            self._close_soon(TurnLimit(build.result(), self.max_turns), thread)
+        self._deferred.discard(build)
 
-        def adopt() -> None:
-            self._threads[id(env)] = thread
-            self._close_later(env)
-
-        try:
-            if self.closed:
-                raise RuntimeError("the pool is closed")
-            self.loop.call_soon_threadsafe(adopt)
-        except RuntimeError:  # the loop is gone: close a sync env here, on its thread
-            thread.stop()
-            close = getattr(env.env, "close", None)
-            if callable(close) and not inspect.iscoroutinefunction(close):
+    def _close_soon(self, env: TurnLimit, thread: EnvThread) -> None:
+        """Close ``env`` from any thread: on the loop while the pool is open (queued before ``close``
+        can miss it: under the lock that ends the pool), else here and now, a sync close only."""
+        with self._stopping:
+            if not self._stopped:
                 try:
-                    close()
-                except Exception as exc:  # noqa: BLE001 - best effort at teardown
-                    log.warning("closing env %s failed: %s", env_label(env), exc)
+                    self.loop.call_soon_threadsafe(self._adopt, env, thread)
+                    return
+                except RuntimeError:  # the loop is closed
+                    pass
+        thread.stop()
+        close = getattr(env.env, "close", None)
+        if callable(close) and not inspect.iscoroutinefunction(close):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - best effort at teardown
+                log.warning("closing env %s failed: %s", env_label(env), exc)
+        else:
+            log.warning("env %s: its call returned after the runner closed; its async close() was not run",
+                        env_label(env))
+
+    def _adopt(self, env: TurnLimit, thread: EnvThread) -> None:
+        self._threads[id(env)] = thread
+        self._close_later(env)

@@ -266,8 +266,9 @@ class EpisodeRunner:
             while len(self._parked) < self._live and loop.time() < deadline:
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout_at(deadline):  # not wait_for: on 3.11 it can swallow a cancel
+                        await self._wake.wait()
+                except TimeoutError:
                     break
             batch = [p for p in self._parked if not p.future.done()]
             self._parked = []

@@ -342,8 +342,9 @@ class ResultPipeline:
         while len(conn.pending) >= self.max_pending:  # bounded: the stream is not read meanwhile
             oldest, waiting = conn.pending[0].done, len(conn.pending)
             try:
-                await asyncio.wait_for(asyncio.shield(oldest), self.store_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.store_timeout_s):
+                    await asyncio.shield(oldest)
+            except TimeoutError:
                 raise CoordinatorUnavailableError(
                     f"results: {waiting} batches not stored within {self.store_timeout_s:g}s; send them again"
                 ) from None
@@ -456,8 +457,9 @@ class ResultPipeline:
         """Await ``awaitable`` for at most ``store_timeout_s``; past it, the batch fails as a write
         that could not be done (the thread, if any, finishes on its own; its file is never used)."""
         try:
-            await asyncio.wait_for(awaitable, self.store_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.store_timeout_s):
+                await awaitable
+        except TimeoutError:
             raise OSError(errno.ETIMEDOUT, f"not stored within {self.store_timeout_s:g}s") from None
 
 

@@ -241,9 +241,10 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         """One engine's stream: see the Work RPC in scheduler.proto. Its requests come as bytes
         (``add_to_server``): result batches are read in place (``framing``), the rest parsed."""
         try:
-            hello = _parsed(await asyncio.wait_for(_first(requests), HELLO_TIMEOUT_S))
-            conn = self._connect(hello)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                first = await _first(requests)
+            conn = self._connect(_parsed(first))
+        except TimeoutError:
             await abort_with(context, InvalidRequestError(f"hello: none received within {HELLO_TIMEOUT_S:g}s"))
             return
         except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -350,10 +351,11 @@ async def _idle_limited(chunks, idle_s: float):
     it = chunks.__aiter__()
     while True:
         try:
-            chunk = await asyncio.wait_for(it.__anext__(), idle_s)
+            async with asyncio.timeout(idle_s):
+                chunk = await it.__anext__()
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise CoordinatorTimeoutError(
                 f"chunks: none received for {idle_s:g}s; the upload was dropped, publish again"
             ) from None

@@ -219,8 +219,9 @@ class RolloutWorker:
         while self.unacked and not streams.done() and time.monotonic() < deadline:
             self._acked.clear()
             try:
-                await asyncio.wait_for(self._acked.wait(), max(0.01, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
+                    await self._acked.wait()
+            except TimeoutError:
                 break
         if self.unacked:
             log.warning("worker %s: stopping with %d unacknowledged batch(es)", self.member_id, len(self.unacked))
@@ -282,8 +283,9 @@ class RolloutWorker:
         up = False
         try:
             try:
-                await asyncio.wait_for(call.initial_metadata(), self._client.call_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self._client.call_timeout_s):
+                    await call.initial_metadata()
+            except TimeoutError:
                 call.cancel()
                 return False, f"stream not opened within {self._client.call_timeout_s:.1f}s"
             if not call.done():

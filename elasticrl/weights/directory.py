@@ -203,6 +203,7 @@ class WeightDirectory:
                 return found
             event = self._run(run_id).changed
             try:
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await event.wait()
+            except TimeoutError:
                 return self.pick(run_id, member_id, addr, have_version)
