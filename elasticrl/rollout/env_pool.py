@@ -75,10 +75,13 @@ class EnvPool:
         # call or build returns later is closed on its own thread (see ``_close_soon``).
         self._stopped = False
         self._stopping = threading.Lock()
+        self._settled = asyncio.Event()  # a deferred call's close was queued (``close`` waits for them)
         self._idle: list[TurnLimit] = []
         self._threads: dict[int, EnvThread] = {}  # id(env) -> the thread it was built on and runs on
         self._busy: dict[int, concurrent.futures.Future] = {}  # id(env) -> its latest sync call
-        self._deferred: set[concurrent.futures.Future] = set()  # calls past their deadline, their env to close after
+        # Calls past their deadline and builds whose episode is gone, their env to close after
+        # (each leaves once that close is queued).
+        self._deferred: set[concurrent.futures.Future] = set()
 
     async def acquire(self) -> TurnLimit:
         """An idle env, or a new one built within the deadline. Raises ``EnvError``."""
@@ -136,24 +139,29 @@ class EnvPool:
             thread = self._threads[id(env)]
 
             def later(_: concurrent.futures.Future) -> None:
-                self._close_soon(env, thread)
-                self._deferred.discard(busy)
+                self._close_soon(env, thread, busy)
 
             busy.add_done_callback(later)
             return
         self._close_later(env)
 
     async def close(self, timeout_s: float) -> None:
-        """Close every env: the idle ones, those whose last call returns within ``timeout_s``, and
-        the closes in flight. The caller ends the episodes first, and stops the loop after."""
+        """Close every env: the idle ones, those whose last call or build returns within
+        ``timeout_s``, and the closes in flight. The caller ends the episodes first, and stops the
+        loop after; a call or build that returns later closes its env on its own thread."""
         envs, self._idle = self._idle, []
         for env in envs:
             await self._close(env)
-        # Calls past their deadline and builds whose episode is gone: each one's close is queued
-        # (``_close_soon``) before the wait sees it done.
-        running = [asyncio.wrap_future(f, loop=self.loop) for f in list(self._deferred)]
-        if running:
-            await asyncio.wait(running, timeout=timeout_s)
+        # Calls past their deadline and builds whose episode is gone. Not a wait on their futures:
+        # a future is done before its callbacks run, and the callback queues the env's close.
+        deadline = self.loop.time() + timeout_s
+        while self._deferred:
+            self._settled.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._settled.wait()
+            except TimeoutError:
+                break
         with self._stopping:
             self._stopped = True  # from here on, a late one closes its env on its own thread
         await asyncio.sleep(0)  # the closes queued before that start (the queue is in order)
@@ -190,20 +198,26 @@ class EnvPool:
         """A build whose episode did not take its env (any thread): close the env it returned."""
         if build.cancelled() or build.exception() is not None:
             thread.stop()
+            self._close_soon(None, thread, build)
         else:
-            self._close_soon(TurnLimit(build.result(), self.max_turns), thread)
-        self._deferred.discard(build)
+            self._close_soon(TurnLimit(build.result(), self.max_turns), thread, build)
 
-    def _close_soon(self, env: TurnLimit, thread: EnvThread) -> None:
-        """Close ``env`` from any thread: on the loop while the pool is open (queued before ``close``
-        can miss it: under the lock that ends the pool), else here and now, a sync close only."""
+    def _close_soon(self, env: TurnLimit | None, thread: EnvThread, call: concurrent.futures.Future) -> None:
+        """``call`` (deferred) returned: close ``env`` from any thread, on the loop while the pool is
+        open (queued before ``close`` can miss it: under the lock that ends the pool), else here and
+        now, a sync close only."""
         with self._stopping:
+            self._deferred.discard(call)
             if not self._stopped:
                 try:
-                    self.loop.call_soon_threadsafe(self._adopt, env, thread)
+                    if env is not None:
+                        self.loop.call_soon_threadsafe(self._adopt, env, thread)
+                    self.loop.call_soon_threadsafe(self._settled.set)  # after the adoption: in order
                     return
                 except RuntimeError:  # the loop is closed
                     pass
+        if env is None:
+            return
         thread.stop()
         close = getattr(env.env, "close", None)
         if callable(close) and not inspect.iscoroutinefunction(close):

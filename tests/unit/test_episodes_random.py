@@ -664,6 +664,50 @@ def test_an_env_built_for_an_episode_that_is_gone_is_closed(why, then):
     assert None not in built and [e.closes for e in built] == [1] * len(built)
 
 
+def test_the_close_waits_for_the_callback_of_a_late_build_not_only_its_end(monkeypatch):
+    # A future is done before its callbacks run, and the callback is what queues the env's close:
+    # a close that started in between saw the build done and returned before that (CI, 1 run in
+    # ~100 under load). Here the callback runs 0.3 s after the build's end, and close starts then.
+    from elasticrl.rollout import env_pool, episodes
+
+    class LateCallbacks(env_pool.EnvPool):
+        def _orphan(self, build, thread):
+            time.sleep(0.3)
+            super()._orphan(build, thread)
+
+    monkeypatch.setattr(episodes, "EnvPool", LateCallbacks)
+    built = []
+
+    class Env:
+        closes = 0
+
+        def reset(self, *, seed=None, options=None):
+            return "guess:", {}
+
+        def step(self, action):
+            return "", 0.0, True, False, {}
+
+        def close(self):
+            self.closes += 1
+
+    def make():
+        time.sleep(0.8)  # past step_timeout_s: the episode fails, and the build returns after
+        built.append(Env())
+        return built[-1]
+
+    r = _runner(make, step_timeout_s=0.5)
+    try:
+        (out,) = r.play(_tasks(1))
+        assert out.episodes is None and "building an env took longer" in out.error
+        deadline = time.monotonic() + 5
+        while not built and time.monotonic() < deadline:  # the build returns: its callback runs now
+            time.sleep(0.01)
+        time.sleep(0.05)
+    finally:
+        r.close()
+    assert [e.closes for e in built] == [1]
+
+
 def test_env_calls_past_their_deadline_do_not_starve_the_other_episodes():
     release = threading.Event()
 
