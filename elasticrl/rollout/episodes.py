@@ -236,6 +236,9 @@ class EpisodeRunner:
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            log.warning("episode runner: closing took longer than %gs (a task that did not end when cancelled, or "
+                        "env closes still running); stopped anyway", timeout_s)
         except Exception as exc:  # noqa: BLE001 - best effort at teardown
             log.warning("episode runner: closing envs failed: %s", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -293,6 +296,10 @@ class EpisodeRunner:
         start = time.perf_counter()
         try:
             groups = await self._loop.run_in_executor(self._engine_pool, generate)
+        except asyncio.CancelledError:  # the runner is closing: the batcher ends (its episodes are cancelled too)
+            for p in batch:
+                p.future.cancel()
+            raise
         except BaseException as exc:  # noqa: BLE001 - handed to every episode waiting for this batch
             for p in batch:
                 if not p.future.done():

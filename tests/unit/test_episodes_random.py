@@ -708,6 +708,40 @@ def test_the_close_waits_for_the_callback_of_a_late_build_not_only_its_end(monke
     assert [e.closes for e in built] == [1]
 
 
+def test_closing_while_the_engine_generates_ends_the_batcher_at_once():
+    # The batcher handed every exception of a generate to its episodes, a cancel too, and went on
+    # waiting for the next batch: the runner's close then waited its whole timeout for it.
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(ScriptedEngine):
+        def generate(self, requests):
+            entered.set()
+            release.wait(10)
+            return super().generate(requests)
+
+    class Env:
+        def reset(self, *, seed=None, options=None):
+            return "guess:", {}
+
+        def step(self, action):
+            return "", 1.0, True, False, {}
+
+    r = EpisodeRunner(Blocking(lambda ctx, i: "1"), PlainRenderer(CODEC.encode), Env, EpisodeSettings(max_turns=1),
+                      decode=CODEC.decode)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        playing = pool.submit(r.play, _tasks(2))
+        assert entered.wait(10), "generate was never called"
+        with _warnings_of("elasticrl.rollout.episodes") as warned:
+            r.close(timeout_s=3)
+        assert warned == []
+        with pytest.raises(concurrent.futures.CancelledError):
+            playing.result(timeout=5)  # the caller of play is let go
+    finally:
+        release.set()
+        pool.shutdown(wait=False)
+
+
 def test_env_calls_past_their_deadline_do_not_starve_the_other_episodes():
     release = threading.Event()
 
