@@ -63,7 +63,8 @@ class EnvThread:
 
 
 class EnvPool:
-    """The envs of one runner, used on its event loop ``loop`` (``_orphan`` excepted: any thread)."""
+    """The envs of one runner, used on its event loop ``loop`` (``_orphan`` and ``_close_soon``
+    excepted: any thread)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, make_env: Callable[[], Any], *, max_turns: int, timeout_s: float):
         self.loop = loop
@@ -210,9 +211,7 @@ class EnvPool:
             self._deferred.discard(call)
             if not self._stopped:
                 try:
-                    if env is not None:
-                        self.loop.call_soon_threadsafe(self._adopt, env, thread)
-                    self.loop.call_soon_threadsafe(self._settled.set)  # after the adoption: in order
+                    self.loop.call_soon_threadsafe(self._adopt, env, thread)
                     return
                 except RuntimeError:  # the loop is closed
                     pass
@@ -229,6 +228,9 @@ class EnvPool:
             log.warning("env %s: its call returned after the runner closed; its async close() was not run",
                         env_label(env))
 
-    def _adopt(self, env: TurnLimit, thread: EnvThread) -> None:
-        self._threads[id(env)] = thread
-        self._close_later(env)
+    def _adopt(self, env: TurnLimit | None, thread: EnvThread) -> None:
+        """On the loop: start closing ``env`` (if any), then wake ``close``'s wait for it."""
+        if env is not None:
+            self._threads[id(env)] = thread
+            self._close_later(env)
+        self._settled.set()

@@ -660,7 +660,7 @@ def test_an_env_built_for_an_episode_that_is_gone_is_closed(why, then):
             while time.monotonic() < deadline and any(e.closes == 0 for e in built):  # and is closed
                 time.sleep(0.01)
     finally:
-        r.close()  # at once: waits for the build still running, then closes its env
+        r.close()  # when it closes at once: waits for the build still running, then closes its env
     assert None not in built and [e.closes for e in built] == [1] * len(built)
 
 

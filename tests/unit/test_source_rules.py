@@ -23,7 +23,7 @@ def _calls_of(name: str) -> list[str]:
 
 def test_no_asyncio_wait_for():
     # On Python 3.11 (the oldest we support), wait_for drops a cancel that lands as the awaited
-    # thing finishes (CPython gh-86296, fixed in 3.12), and a loop that waits again in it never
-    # ends: the episode runner's batcher held its close for the whole close timeout that way.
+    # thing finishes (CPython gh-86296, fixed in 3.12), and a task that loops on it never ends
+    # when cancelled (the episode runner's batcher did, and its close waits for that task).
     # ``async with asyncio.timeout(...)`` has no such race.
     assert _calls_of("asyncio.wait_for") == []
