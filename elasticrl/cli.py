@@ -215,6 +215,10 @@ def _run(rest: list[str]) -> int:
     from elasticrl.demo import main as launch
 
     if rest and not rest[0].startswith("-"):
+        flags = rest[1:rest.index("--")] if "--" in rest else rest[1:]
+        if any(a == "--config" or a.startswith("--config=") for a in flags):
+            print(f"elasticrl run: the config is given twice ({rest[0]} and --config); give one of them", file=sys.stderr)
+            return 2
         rest = ["--config", rest[0], *rest[1:]]
     return launch(rest, prog="elasticrl run")
 

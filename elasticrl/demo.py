@@ -51,13 +51,17 @@ STOP_GRACE_S = 10
 
 
 def build_parser(prog: str = "python -m elasticrl.demo") -> argparse.ArgumentParser:
+    positional = prog == "elasticrl run"  # it takes the config as its first argument too (cli._run)
     p = argparse.ArgumentParser(
         prog=prog,
+        usage=f"{prog} [CONFIG] [options] [-- overrides]" if positional else None,
         description="Run a node config on this machine: a local coordinator plus N torchrun nodes "
         "(default: the bundled demo, a tiny policy trained with GRPO on CPU).",
         epilog="Node config overrides go after --, e.g. -- --trainer.lr=1e-3 --run.eval_interval=5",
     )
-    p.add_argument("--config", default=BUNDLED_CONFIG, metavar="FILE", help="node config, TOML (default: the bundled demo.toml)")
+    p.add_argument("--config", default=BUNDLED_CONFIG, metavar="FILE",
+                   help=("node config, TOML" + (" (or CONFIG, the first argument)" if positional else "")
+                         + "; default: the bundled demo.toml"))
     p.add_argument("--nodes", type=int, default=2, help="torchrun agents (simulated nodes), one worker each (default: %(default)s)")
     p.add_argument(
         "--rollout-workers", type=int, default=0, metavar="N",
@@ -482,6 +486,7 @@ def node_overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    label = "elasticrl run" if prog == "elasticrl run" else "elasticrl demo"
     if not 1 <= args.nodes <= MAX_NODES:
         parser.error(f"--nodes: {args.nodes} must be between 1 and {MAX_NODES} (each is a torchrun agent and a worker on this machine)")
     if args.rollout_workers < 0:
@@ -557,18 +562,39 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         demo.watch(coordinator, nodes, deadline=started + args.timeout)
         return _summarize(
             demo.run_dir, nodes, args.iterations, time.monotonic() - started, killed=args.kill_at > 0,
-            checkpointed=config.run.rl_phase != "rollout", no_plot=args.no_plot,
+            checkpointed=config.run.rl_phase != "rollout", no_plot=args.no_plot, label=label,
         )
     except KeyboardInterrupt:
-        print("\nelasticrl demo: interrupted; stopping every process it started", file=sys.stderr)
+        print(f"\n{label}: interrupted; stopping every process it started", file=sys.stderr)
         return 130
     except RuntimeError as exc:
-        print(f"elasticrl demo: {exc}", file=sys.stderr)
+        print(f"{label}: {exc}", file=sys.stderr)
         return 1
     finally:
         demo.stopping.set()  # the nodes' complaints about each other's exit are expected now
         stop_all(demo.children, grace_s=STOP_GRACE_S)
+        if not config.checkpoint.snapshot_dir:
+            _leftover_snapshots(run_dir, run_id, kept=bool(config.run.run_id))
         print(f"run dir: {demo.run_dir}")
+
+
+def _leftover_snapshots(run_dir: str, run_id: str, *, kept: bool) -> None:
+    """The nodes of a run that did not finish leave their snapshots in host memory, for a world
+    started again with the same run id and run dir to resume from. A run id this launcher made
+    (from the time) is never given again, so they are freed; one the user set (``run.run_id``) keeps
+    them, and the user is told where they are."""
+    import shutil
+
+    from elasticrl.train.snapshot_plan import run_root  # pure Python, like this module
+
+    root = run_root(run_dir, run_id)
+    if not os.path.isdir(root):
+        return  # the run finished (its nodes freed them) or wrote none
+    if not kept:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    print(f"snapshots: {root} (host memory) is kept: started again with run.run_id = {run_id!r} and the same run "
+          "dir, the run resumes from it; rm -r it to free the memory")
 
 
 def _metrics(run_dir: str) -> list[dict]:
@@ -591,7 +617,7 @@ def _tail(path: str, lines: int = 25) -> str:
 
 
 def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool, checkpointed: bool = True,
-               no_plot: bool = False) -> int:
+               no_plot: bool = False, label: str = "elasticrl demo") -> int:
     """Print the outcome; 0 when the run reached its last iteration and saved a checkpoint of it
     (a rollout-only phase saves none), and some node finished cleanly (a node killed by --kill-at
     is expected to die)."""
@@ -605,7 +631,7 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
             print(f"\n{n.name} exited with status {n.proc.returncode}; the end of {n.log_path}:\n{_tail(n.log_path)}", file=sys.stderr)
     if not complete or not clean:
         last = records[-1]["iteration"] if records else 0
-        print(f"elasticrl demo: training failed after {last}/{iterations} iterations ({wall_s:.0f}s)", file=sys.stderr)
+        print(f"{label}: training failed after {last}/{iterations} iterations ({wall_s:.0f}s)", file=sys.stderr)
         return 1
     k = 5 if len(records) >= 20 else min(3, len(records))
     head, tail = records[:k], records[-k:]
@@ -623,10 +649,12 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
     if not any(r.get("turns_mean", 1.0) > 1 for r in records):
         print(f"  exact match  {mean(head, 'exact_fraction'):.0%} -> {mean(tail, 'exact_fraction'):.0%} of samples (reward 1)")
     else:
-        print(f"  solved       {1 - mean(head, 'truncated_fraction'):.0%} -> {1 - mean(tail, 'truncated_fraction'):.0%} of episodes"
-              " (the env terminated them; the rest ran out of turns or context)")
-        print(f"  turns        {mean(head, 'turns_mean', 1.0):.2f} -> {mean(tail, 'turns_mean', 1.0):.2f} per episode"
-              f"  ({sum(r.get('env_errors', 0) for r in records)} env errors)")
+        print(f"  ended        {1 - mean(head, 'truncated_fraction'):.0%} -> {1 - mean(tail, 'truncated_fraction'):.0%} of episodes"
+              " by the env (terminated; the rest ran out of turns or context)")
+        print(f"  turns        {mean(head, 'turns_mean', 1.0):.2f} -> {mean(tail, 'turns_mean', 1.0):.2f} per episode")
+    errors, failed = (sum(r.get(key, 0) for r in records) for key in ("env_errors", "groups_failed"))
+    if errors or failed:
+        print(f"  env errors   {errors} episode(s); {failed} group(s) dropped after rollout.max_task_failures attempts")
     if checkpoint:
         print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
     else:

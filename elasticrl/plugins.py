@@ -17,6 +17,12 @@ import sys
 from pathlib import Path
 
 SPEC_FORMS = "'package.module:name' or 'path/to/file.py:name'"
+_FILES: dict[str, str] = {}  # the module name a user's file is imported under -> the file as the spec gave it
+
+
+def module_label(module_name: str) -> str:
+    """How messages name a module: a user's file as its spec gave it (``my_env.py``), else its name."""
+    return _FILES.get(module_name, module_name)
 
 
 def is_file_part(module_part: str) -> bool:
@@ -41,6 +47,7 @@ def _module_from_file(spec: str, file_part: str, what: str, error: type[Exceptio
     except Exception as e:
         del sys.modules[module_name]
         raise error(f"{what} {spec!r}: running {resolved} failed with {type(e).__name__}: {e}") from e
+    _FILES[module_name] = file_part
     return module
 
 

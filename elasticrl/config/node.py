@@ -87,6 +87,11 @@ class NodeConfig:
             "(e.g. --env.name=guess)",
         )
         _check(
+            not task.messages_key or task.chat_template or task.kind != "dataset" or bool(self.env.name),
+            f"task.messages_key: {task.messages_key!r} gives each episode chat messages, which only a chat template "
+            "turns into tokens; set task.chat_template = true (an HF model), or give a text column as task.prompt_key",
+        )
+        _check(
             not task.chat_template or kind == "hf",
             "task.chat_template: the tiny model has no chat template; it needs model.kind = hf",
         )
@@ -139,10 +144,20 @@ def _sections(cls: type) -> dict[str, type]:
 
 
 def _coerce(key: str, text: str, typ: Any) -> Any:
-    """Turn an override's text into the field's type (lists: comma-separated; tables: JSON)."""
+    """Turn an override's text into the field's type (lists: comma-separated, or a JSON list;
+    tables: JSON)."""
     origin = typing.get_origin(typ)
     if origin is list:
         (item,) = typing.get_args(typ)
+        if text.lstrip().startswith("["):  # as in the TOML file: [] or ["a", "b"]
+            try:
+                parts = json.loads(text)
+            except json.JSONDecodeError:
+                parts = None
+            if not isinstance(parts, list) or any(isinstance(p, (list, dict)) or p is None for p in parts):
+                raise ConfigError(f"{key}: {text!r} is not a list of values; give them separated by commas (a,b) or "
+                                  "as a JSON list ('[\"a\", \"b\"]'; [] for none)")
+            return [_coerce(key, str(p).lower() if isinstance(p, bool) else str(p), item) for p in parts]
         return [_coerce(key, part.strip(), item) for part in text.split(",") if part.strip()]
     if origin is dict:
         try:

@@ -46,7 +46,8 @@ class DatasetError(ElasticRLError, ValueError):
 
 
 def load_rows(
-    path: str | os.PathLike[str], *, prompt_key: str = "", messages_key: str = "", what: str = "task.path"
+    path: str | os.PathLike[str], *, prompt_key: str = "", messages_key: str = "", what: str = "task.path",
+    alphabet: str = "",
 ) -> list[Row]:
     """Read and validate every row of a local dataset.
 
@@ -59,6 +60,8 @@ def load_rows(
             ``{"role": one of MESSAGE_ROLES, "content": str}`` dicts. Give at most one of the two;
             with neither, rows are only read (an environment's rows need no prompt).
         what: the config field that named ``path``, quoted in error messages.
+        alphabet: with ``prompt_key``, the only characters a prompt may hold (a policy that cannot
+            tokenize others, the tiny one); empty: any.
 
     Returns:
         The rows in file order as plain dicts (all columns kept; values are Python JSON types).
@@ -82,7 +85,7 @@ def load_rows(
     for index, raw in enumerate(raw_rows):
         row = _plain(raw)
         if prompt_key:
-            _check_prompt(row, prompt_key, where, index)
+            _check_prompt(row, prompt_key, where, index, alphabet)
         elif messages_key:
             _check_messages(row, messages_key, where, index)
         _check_size(row, where, index)
@@ -408,7 +411,7 @@ def _missing(row: Row, key: str, where: str, index: int, option: str) -> Dataset
     )
 
 
-def _check_prompt(row: Row, key: str, where: str, index: int) -> None:
+def _check_prompt(row: Row, key: str, where: str, index: int, alphabet: str = "") -> None:
     value = row.get(key)
     if value is None:
         raise _missing(row, key, where, index, "prompt_key")
@@ -416,6 +419,12 @@ def _check_prompt(row: Row, key: str, where: str, index: int) -> None:
         raise DatasetError(f"{_row_at(where, index)}: key {key!r} must be a string, got {_json_type(value)} {_short(value)}")
     if not value.strip():
         raise DatasetError(f"{_row_at(where, index)}: key {key!r} is an empty (or whitespace-only) prompt; fix the row")
+    if alphabet and not set(value) <= set(alphabet):
+        bad = next(c for c in value if c not in alphabet)
+        raise DatasetError(
+            f"{_row_at(where, index)}: key {key!r} = {_short(value)} has the character {bad!r}, which the tiny policy "
+            f"cannot tokenize (it knows {alphabet!r} only); train on such text with an HF model (model.kind = hf, model.path)"
+        )
 
 
 def _check_messages(row: Row, key: str, where: str, index: int) -> None:

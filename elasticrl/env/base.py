@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from elasticrl.errors import ElasticRLError
+from elasticrl.plugins import module_label
 
 Message = Mapping[str, Any]
 """A chat message: ``{"role": "user" | "assistant" | "system" | "tool", "content": str}``."""
@@ -67,7 +68,7 @@ class Env(Protocol):
 def env_label(env: object) -> str:
     """``module:Class`` of an env (under its wrappers), for error messages."""
     cls = type(getattr(env, "unwrapped", env))
-    return f"{cls.__module__}:{cls.__qualname__}"
+    return f"{module_label(cls.__module__)}:{cls.__qualname__}"
 
 
 RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]

@@ -200,17 +200,19 @@ def load_reward(spec: str) -> RewardFunction:
         attr = spec.rpartition(":")[2]
         raise RewardError(f"reward {spec!r}: {attr!r} in {spec.rpartition(':')[0]!r} is a {type(fn).__name__}, not callable")
     try:
-        inspect.signature(fn).bind("", "", **{})
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return RewardFunction(spec, fn)  # some builtins have no introspectable signature; the first call will tell
+    try:  # fn(prompt, completion, **row), the row's fields it names given as keywords
+        signature.bind("", "", **dict.fromkeys(RewardFunction(spec, fn).required))
     except TypeError:
         try:
-            inspect.signature(fn).bind("", "", "")  # fn(prompt, completion, target)
+            signature.bind("", "", "")  # fn(prompt, completion, target)
         except TypeError as e:
             raise RewardError(
                 f"reward {spec!r}: {spec.rpartition(':')[2]!r} cannot be called as fn(prompt, completion, target) "
                 f"or fn(prompt, completion, **row): {e}"
             ) from None
-    except ValueError:
-        pass  # some builtins have no introspectable signature; the first call will tell
     return RewardFunction(spec, fn)
 
 
@@ -240,7 +242,8 @@ def combine_rewards(specs: Sequence[str], weights: Sequence[float] | None = None
     def weighted_sum(prompt: str, completion: str, **row: Any) -> float:
         return sum(w * part.score(prompt, completion, row) for w, part in parts)
 
-    name = " + ".join(f"{w:g}*{part.name}" for w, part in parts)
+    # One reward of weight 1 (the common case) keeps its own name in messages.
+    name = parts[0][1].name if len(parts) == 1 and parts[0][0] == 1 else " + ".join(f"{w:g}*{part.name}" for w, part in parts)
     combined = RewardFunction(name, weighted_sum)
     # The sum needs what any part needs (checked against a dataset's columns at start-up).
     object.__setattr__(combined, "required", tuple(dict.fromkeys(f for _, p in parts for f in p.required)))

@@ -151,6 +151,10 @@ def load_dataset_rows(cfg: NodeConfig, reward: RewardFunction | None) -> Dataset
     t = cfg.task
     single_turn = not cfg.env.name
     keys = dict(prompt_key="" if t.messages_key else t.prompt_key, messages_key=t.messages_key) if single_turn else {}
+    if single_turn and not t.messages_key and cfg.model.kind == "tiny":
+        from elasticrl.policy.vocab import CHARS
+
+        keys["alphabet"] = CHARS  # a prompt the tiny policy cannot tokenize would fail every episode of it
     try:
         rows = load_rows(t.path, what="task.path", **keys)
         held_out = load_rows(t.eval_path, what="task.eval_path", **keys) if t.eval_path else []
@@ -158,15 +162,21 @@ def load_dataset_rows(cfg: NodeConfig, reward: RewardFunction | None) -> Dataset
             rows, held_out = split_eval(rows, t.eval_fraction, cfg.run.seed)
     except DatasetError as exc:
         raise ConfigError(str(exc)) from None
-    if reward is not None:
-        try:
-            reward.check_fields([k for k, v in rows[0].items() if v is not None], t.path)
-        except ValueError as exc:
-            raise ConfigError(f"algorithm.rewards: {exc}") from None
+    if reward is not None:  # the held-out rows too: an evaluation must not stop the run hours in
+        for where, some in ((t.path, rows), (t.eval_path, held_out if t.eval_path else [])):
+            if some:
+                _check_reward_fields(reward, [k for k, v in some[0].items() if v is not None], where)
     if cfg.run.eval_interval and not held_out:
         log.warning("run.eval_interval = %d but the dataset has no held-out rows (task.eval_path or task.eval_fraction): "
                     "no evaluation will run", cfg.run.eval_interval)
     return DatasetRows(rows, held_out, seed=cfg.run.seed, per_iteration=t.prompts_per_iteration, shuffle=t.shuffle)
+
+
+def _check_reward_fields(reward: RewardFunction, fields: list[str], where: str) -> None:
+    try:
+        reward.check_fields(fields, where)
+    except ValueError as exc:
+        raise ConfigError(f"algorithm.rewards: {exc}") from None
 
 
 def workload_name(cfg: NodeConfig) -> str:
@@ -183,9 +193,13 @@ def toy_task(cfg: NodeConfig) -> Task | None:
 def row_source(cfg: NodeConfig, reward: RewardFunction | None) -> RowSource:
     kind = cfg.task.kind
     if kind == "toy":
+        if reward is not None:
+            _check_reward_fields(reward, ["prompt", "target"], "task.kind = toy")
         return ToyRows(make_task(cfg.task.name, cfg.task.num_digits), cfg.run.seed)
     if kind == "dataset":
         return load_dataset_rows(cfg, reward)
+    if reward is not None:
+        _check_reward_fields(reward, ["instance"], "task.kind = generated (each row is {\"instance\": N})")
     return GeneratedRows(cfg.run.seed)
 
 

@@ -244,7 +244,9 @@ def test_top_level_usage_errors_and_help():
         (["status", "extra"], 2, "extra"),
         (["--version"], 0, "elasticrl "),
         (["status", "--help"], 0, "--coordinator"),
-        (["run", DEMO_TOML, "--help"], 0, "elasticrl run"),
+        (["run", DEMO_TOML, "--help"], 0, "usage: elasticrl run [CONFIG]"),
+        (["run", DEMO_TOML, "--config", DEMO_TOML], 2, "the config is given twice"),
+        (["run", DEMO_TOML, "--nodes=1", "--config=x.toml"], 2, "the config is given twice"),
     ]:
         out = cli(args)
         assert out.returncode == rc and "Traceback" not in out.stderr, describe(out)

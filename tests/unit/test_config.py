@@ -103,6 +103,12 @@ def test_lists_and_tables_from_toml_and_overrides(tmp_path):
         load_config(None, parse_overrides(["--algorithm.rewards=format", "--algorithm.reward_weights=1,2"]))
     with pytest.raises(ConfigError, match="trainer.deepspeed_config: 'x' is not a JSON object"):
         load_config(None, parse_overrides(["--trainer.deepspeed_config=x"]))
+    # A list as the TOML file writes it (found by a user: '[]' was taken as a reward's name).
+    cfg = load_config(None, parse_overrides(['--algorithm.rewards=["positional", "format"]', "--algorithm.reward_weights=[1, 0.5]"]))
+    assert cfg.algorithm.rewards == ["positional", "format"] and cfg.algorithm.reward_weights == [1.0, 0.5]
+    assert load_config(None, parse_overrides(["--algorithm.rewards=[]"])).algorithm.rewards == []
+    with pytest.raises(ConfigError, match=r"algorithm.rewards: '\[a' is not a list of values; give them separated by commas"):
+        load_config(None, parse_overrides(["--algorithm.rewards=[a"]))
 
 
 @pytest.mark.parametrize(

@@ -95,12 +95,13 @@ def gen_text(rng: random.Random, lo: int = 0, hi: int = 12, *, nul: bool = False
 
 def gen_list_item(rng: random.Random, override_safe: bool) -> str:
     """A list[str] item; the override syntax (comma-separated, each item stripped, empty ones
-    dropped) can only carry non-empty, comma-free items without outer whitespace."""
+    dropped) can only carry non-empty, comma-free items without outer whitespace, not starting with
+    '[' (a JSON list then)."""
     if not override_safe:
         return gen_text(rng, 0, 10)
     while True:
         text = gen_text(rng, 1, 10).replace(",", "").strip()
-        if text:
+        if text and not text.startswith("["):
             return text
 
 
@@ -452,6 +453,9 @@ def repair(raw: dict[str, dict[str, Any]], rng: random.Random, override_safe: bo
         raw["checkpoint"]["export_hf"] = ""
     if t["chat_template"] and m["kind"] != "hf":
         t["chat_template"] = False
+    if t["messages_key"] and not t["chat_template"] and t["kind"] == "dataset" and not e["name"]:
+        t["messages_key"] = ""  # chat messages need a chat template
+        t["prompt_key"] = t["prompt_key"] or nonempty_text(rng)
     tr = raw["trainer"]
     if tr["warmup_steps"] and not (t["kind"] == "toy" and not e["name"]):
         tr["warmup_steps"] = 0
@@ -1173,6 +1177,7 @@ CROSS_AXES = {
     ("task", "path"): ["", "d.jsonl"],
     ("env", "name"): ["", "guess"],
     ("task", "chat_template"): [False, True],
+    ("task", "messages_key"): ["", "messages"],
     ("trainer", "warmup_steps"): [0, 5],
     ("rollout", "max_staleness"): [0, 1],
     ("run", "rl_phase"): list(sections_mod.RL_PHASES),
@@ -1200,6 +1205,8 @@ def violated_rules(v: dict[tuple[str, str], Any]) -> set[str]:
         out.add("task.kind")  # "generated: ... for an env that makes its own instances (env.name)"
     if v[("task", "chat_template")] and kind != "hf":
         out.add("task.chat_template")  # "(model.kind = hf)"
+    if v[("task", "messages_key")] and not v[("task", "chat_template")] and v[("task", "kind")] == "dataset" and not v[("env", "name")]:
+        out.add("task.messages_key")  # "chat messages ... need task.chat_template"
     if v[("trainer", "warmup_steps")] and not (v[("task", "kind")] == "toy" and not v[("env", "name")]):
         out.add("trainer.warmup_steps")  # "Supervised steps on (prompt, target) pairs of the task"
     if v[("rollout", "max_staleness")] and v[("run", "rl_phase")] != "both":
@@ -1275,6 +1282,7 @@ def test_cross_section_rules_through_the_loader(seed, tmp_path):
     for n in range(20):
         base = gen_config(rng, override_safe=True)
         base["task"]["name"] = rng.choice(sorted(TASKS))  # whatever task.kind becomes
+        base["task"]["prompt_key"] = base["task"]["prompt_key"] or "prompt"  # whatever task.messages_key becomes
         v = {key: rng.choice(options) for key, options in CROSS_AXES.items()}
         if rng.random() < 0.5:  # half of them valid
             merged = json.loads(json.dumps(base))

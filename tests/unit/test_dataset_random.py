@@ -364,7 +364,8 @@ def test_random_dataset_run_splits_and_visits_every_train_row_each_epoch(seed, t
     overrides = ["--task.kind=dataset", f"--task.path={path}", "--trainer.warmup_steps=0", f"--run.seed={run_seed}",
                  f"--task.prompts_per_iteration={per_iteration}", f"--task.eval_fraction={fraction}",
                  f"--task.shuffle={str(shuffle).lower()}"]
-    overrides += [f"--task.prompt_key={key}"] if mode == "prompt" else [f"--task.messages_key={key}"]
+    overrides += [f"--task.prompt_key={key}"] if mode == "prompt" else [f"--task.messages_key={key}", "--task.chat_template=true"]
+    overrides += HF  # any text: the tiny policy's vocabulary would refuse most random prompts
     source = row_source(config(*overrides), None)
     assert isinstance(source, DatasetRows)
     train, held = split_eval(rows, fraction, run_seed)
@@ -379,9 +380,14 @@ def test_random_dataset_run_splits_and_visits_every_train_row_each_epoch(seed, t
     assert seen == reference(train, run_seed, shuffle, 0, len(seen))
 
 
+# An HF model named, never loaded (rows are read and checked without it); the chat template lets
+# task.messages_key give chat messages.
+HF = ["--model.kind=hf", "--model.path=m"]
+
+
 def bad_setting(rng: random.Random, tmp_path: pathlib.Path) -> tuple[list[str], list[str]]:
     """(overrides, words the ConfigError must hold) for one random mistake."""
-    base = ["--task.kind=dataset", "--trainer.warmup_steps=0"]
+    base = ["--task.kind=dataset", "--trainer.warmup_steps=0", *HF, "--task.chat_template=true"]
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}])
     name = rand_text(random.Random(rng.random()), 1, 8).strip().replace("/", "_").replace("\\", "_") or "x"
     name = "".join(c for c in name if c.isprintable() and c not in "\"{}[],:\t\n") or "x"

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from elasticrl.env import EnvError, EnvLoadError, env_names, load_env, register_env
-from elasticrl.env.base import call_close, call_reset, call_step
+from elasticrl.env.base import call_close, call_reset, call_step, env_label
 from elasticrl.env.guess import GuessEnv
 from elasticrl.env.prompt import PromptEnv
 from elasticrl.env.wrappers import TurnLimit
@@ -44,6 +44,8 @@ def test_registered_names_and_a_users_file_and_module(tmp_path, monkeypatch):
     spec = load_env(f"{tmp_path}/my_env.py:Counter", {"goal": 2})
     env = spec.make()
     assert env.goal == 2 and type(env).__name__ == "Counter"
+    # Messages name a user's file as the spec did, not the module name it is imported under.
+    assert env_label(TurnLimit(env, 3)) == f"{tmp_path}/my_env.py:Counter" and env_label(GuessEnv()) == "elasticrl.env.guess:GuessEnv"
     monkeypatch.chdir(tmp_path)
     assert load_env("my_env.py:Counter").make().goal == 3  # relative to the current directory
     monkeypatch.syspath_prepend(str(tmp_path))

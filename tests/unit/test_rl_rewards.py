@@ -161,6 +161,26 @@ def test_a_function_with_the_wrong_arguments_is_refused_when_loaded(tmp_path):
         load_reward(f"{path}:score")
 
 
+def test_a_function_of_several_columns_or_keyword_only_ones_is_loaded(tmp_path):
+    # Found by a user's run: the load-time check bound only (prompt, completion) and (prompt,
+    # completion, target), so a reward naming two columns, or one keyword-only, was refused.
+    path = _write(
+        tmp_path,
+        "r.py",
+        "def two(prompt, completion, answer, word):\n    return float(completion == answer + word)\n"
+        "def kw(prompt, completion, *, answer, unit='kg'):\n    return float(completion == f'{answer}{unit}')\n",
+    )
+    two, kw = load_reward(f"{path}:two"), load_reward(f"{path}:kw")
+    assert two.required == ("answer", "word") and kw.required == ("answer",)
+    assert two.score("p", "ab", {"prompt": "p", "answer": "a", "word": "b", "extra": 1}) == 1.0
+    assert kw.score("p", "4kg", {"prompt": "p", "answer": 4}) == 1.0
+    with pytest.raises(RewardError, match="takes 'word' but the task's row has no such field"):
+        two.score("p", "a", {"prompt": "p", "answer": "a"})
+    bad = _write(tmp_path, "b.py", "def score(prompt, completion, answer, /, word):\n    return 0.0\n")
+    with pytest.raises(RewardError, match=r"'score' cannot be called as fn\(prompt, completion, target\)"):
+        load_reward(f"{bad}:score")  # a positional-only column cannot come from the row by name
+
+
 def test_a_malformed_spec_is_refused():
     with pytest.raises(RewardError, match="both parts non-empty"):
         load_reward("elasticrl.rl.rewards:")
@@ -227,6 +247,7 @@ def test_combine_rewards_is_the_weighted_sum():
     assert fn("1234=", "4399", "4321") == pytest.approx(0.1 + 0.25)
     assert fn("1234=", "4321", "4321") == pytest.approx(1.6)
     assert fn.name == "1*exact_match + 0.1*format + 0.5*positional"
+    assert combine_rewards(["format"]).name == "format" and combine_rewards(["format"], [2]).name == "2*format"
     assert combine_rewards(["exact_match", "format"])("p", "12", "12") == 2.0  # weights default to 1
 
 

@@ -48,6 +48,8 @@ def write_jsonl(path, rows):
          "set either task.eval_path .* or task.eval_fraction, not both"),
         (["--task.kind=generated", "--trainer.warmup_steps=0"], "task.kind = generated: .* set env.name"),
         (["--task.chat_template=true"], "task.chat_template: the tiny model has no chat template"),
+        (["--task.kind=dataset", "--task.path=a.jsonl", "--task.messages_key=messages", "--trainer.warmup_steps=0"],
+         "task.messages_key: 'messages' gives each episode chat messages, which only a chat template"),
         (["--env.name=guess", "--trainer.warmup_steps=5"], "trainer.warmup_steps: the supervised warm-up trains on a toy task's targets"),
         (["--env.max_turns=0"], "env.max_turns: 0 must be at least 1"),
         (["--env.step_timeout_s=0"], "env.step_timeout_s: 0.0 must be > 0 seconds"),
@@ -163,6 +165,44 @@ def test_a_reward_needing_a_column_the_dataset_lacks_is_refused_at_start(tmp_pat
     cfg = config("--task.kind=dataset", f"--task.path={path}", "--trainer.warmup_steps=0")
     with pytest.raises(ConfigError, match="takes 'answer', but the rows of .*train.jsonl have no such field .*solution"):
         load_dataset_rows(cfg, reward)
+
+
+def test_a_reward_column_missing_from_the_held_out_file_is_refused_at_start_not_at_the_first_evaluation(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "ab=", "answer": "ba"}])
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "ab=", "word": "ab"}])
+    reward = load_reward_file(tmp_path, "def score(prompt, completion, answer):\n    return 0.0\n")
+    cfg = config("--task.kind=dataset", f"--task.path={train}", f"--task.eval_path={held}", "--trainer.warmup_steps=0")
+    with pytest.raises(ConfigError, match=r"takes 'answer', but the rows of .*eval.jsonl have no such field \(they have: word\)"):
+        load_dataset_rows(cfg, reward)
+    write_jsonl(held, [{"prompt": "ab=", "answer": "ba"}])
+    assert load_dataset_rows(cfg, reward).eval_rows(1) == [{"prompt": "ab=", "answer": "ba"}]
+
+
+def test_a_reward_column_that_generated_or_toy_rows_never_have_is_refused_at_start():
+    reward = RewardFunction("needs_answer", lambda prompt, completion, answer: 0.0)
+    generated = config("--task.kind=generated", "--env.name=guess", "--trainer.warmup_steps=0")
+    with pytest.raises(ConfigError, match=r"takes 'answer', but the rows of task.kind = generated .* \(they have: instance\)"):
+        row_source(generated, reward)
+    two = RewardFunction("two", lambda prompt, completion, answer, unit: 0.0)  # not the 3-argument form
+    with pytest.raises(ConfigError, match=r"takes 'answer', 'unit', but the rows of task.kind = toy have no such field \(they have: target\)"):
+        row_source(config(), two)
+    assert isinstance(row_source(config(), reward), ToyRows)  # fn(prompt, completion, x): x is the target
+    instance = RewardFunction("instance", lambda prompt, completion, instance: 0.0)
+    assert isinstance(row_source(generated, instance), GeneratedRows)
+    assert isinstance(row_source(config(), reward_function([], None, make_task("reverse", 3))), ToyRows)
+
+
+def test_a_prompt_the_tiny_policy_cannot_tokenize_is_refused_at_start_naming_the_row(tmp_path):
+    # Found by a user's run: it failed every episode after start-up, reported as an env error.
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "ab=", "answer": "ba"}, {"prompt": "What is 2+2?", "answer": "4"}])
+    exact = reward_function(["exact_match"], None)
+    tiny = config("--task.kind=dataset", f"--task.path={path}", "--trainer.warmup_steps=0", "--task.prompt_key=prompt")
+    with pytest.raises(ConfigError, match=r"task.path=.*train.jsonl: row 1 \(0-based\): key 'prompt' = 'What is 2\+2\?' has the "
+                                          r"character 'W', which the tiny policy cannot tokenize .*model.kind = hf"):
+        load_dataset_rows(tiny, exact)
+    # An env's rows are options for its reset, not prompts: any text.
+    with_env = config("--task.kind=dataset", f"--task.path={path}", "--env.name=guess", "--trainer.warmup_steps=0")
+    assert isinstance(load_dataset_rows(with_env, None), DatasetRows)
 
 
 def test_a_single_turn_dataset_run_needs_a_reward_and_an_env_run_may_add_a_final_one():
