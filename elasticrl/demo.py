@@ -616,6 +616,26 @@ def _tail(path: str, lines: int = 25) -> str:
     return ""
 
 
+# The last line of a traceback: "pkg.mod.SomeError: what happened".
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
+# How the elasticrl rendezvous says why a node stopped (rendezvous/handler.py), before the worker's own error.
+_STOP_REASON = "restarts do not fix: "
+
+
+def _stopped_by(log_path: str) -> str:
+    """Why a node stopped, in one line: its last exception's class and message (the worker's own
+    error where the node's torchrun agent stopped for it), or "" when its log ends otherwise."""
+    with contextlib.suppress(OSError):
+        with open(log_path, errors="replace") as f:
+            lines = f.read().splitlines()[-200:]
+        for line in reversed(lines):
+            m = _EXCEPTION_LINE.match(line)
+            if m:
+                name, message = m.groups()
+                return message.split(_STOP_REASON, 1)[1] if _STOP_REASON in message else f"{name}: {message}"
+    return ""
+
+
 def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float, *, killed: bool, checkpointed: bool = True,
                no_plot: bool = False, label: str = "elasticrl demo") -> int:
     """Print the outcome; 0 when the run reached its last iteration and saved a checkpoint of it
@@ -628,7 +648,12 @@ def _summarize(run_dir: str, nodes: list[Child], iterations: int, wall_s: float,
     clean = [n for n in nodes if n.proc.returncode == 0]
     for n in nodes:
         if n.proc.returncode != 0 and not (killed and n is nodes[-1]):
-            print(f"\n{n.name} exited with status {n.proc.returncode}; the end of {n.log_path}:\n{_tail(n.log_path)}", file=sys.stderr)
+            reason = _stopped_by(n.log_path)
+            if reason:
+                print(f"\n{n.name} exited with status {n.proc.returncode}: {reason}\n  (its log: {n.log_path})", file=sys.stderr)
+            else:
+                print(f"\n{n.name} exited with status {n.proc.returncode}; the end of {n.log_path}:\n{_tail(n.log_path)}",
+                      file=sys.stderr)
     if not complete or not clean:
         last = records[-1]["iteration"] if records else 0
         print(f"{label}: training failed after {last}/{iterations} iterations ({wall_s:.0f}s)", file=sys.stderr)

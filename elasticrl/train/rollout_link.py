@@ -40,6 +40,7 @@ from elasticrl.rollout.engine import SamplingSpec
 from elasticrl.rollout.episodes import EpisodeRunner, GroupOutcome, GroupTask
 from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, Split, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
+from elasticrl.train.logcontext import Repeats
 from elasticrl.train.staleness import IdleMeter
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,7 @@ class EngineWorker:
         self.error: BaseException | None = None
         self.groups_done = 0
         self.groups_failed = 0
+        self._env_warnings = Repeats()  # a broken env fails every task alike: one line a while, not one a task
         self.idle = IdleMeter()  # busy: some batch in hand past the gate
         self._failures = 0  # consecutive failed batches, over all of the worker's slots
         self._failures_lock = threading.Lock()  # batches run on up to `slots` executor threads
@@ -293,7 +295,12 @@ class EngineWorker:
             if outcome.episodes is None:
                 if not outcome.cancelled:
                     self.groups_failed += 1
-                    log.warning("task %s failed in its environment (%d episode(s)): %s", a.task.task_id, outcome.env_errors, outcome.error)
+                    left_out = self._env_warnings.take(outcome.error or "")
+                    if left_out is not None:
+                        log.warning("task %s failed in its environment (%d episode(s)): %s%s", a.task.task_id, outcome.env_errors,
+                                    outcome.error, f" (and {left_out} more task(s) the same way since the last such line)"
+                                    if left_out else " (more tasks failing the same way are counted and written once every "
+                                    f"{self._env_warnings.window_s:g}s)")
                 out.append(TaskFailure(a.task.task_id, outcome.error or "cancelled", outcome.env_errors))
                 continue
             out.append(group_record(a.task.task_id, outcome, version, with_prompt=self.transcript_with_prompt))

@@ -270,6 +270,12 @@ def test_an_env_that_fails_every_episode_stops_the_run_with_its_error(tmp_path):
     assert "4 of 4 groups failed in their environment" in log, log[-3000:]
     assert "AlwaysRaises.step() raised KeyError: 'no such element: #search-box'" in log, log[-3000:]
     assert not (out / "metrics.jsonl").exists()
+    # The console: the reason each node stopped, in a line, and the env named by its file; not a
+    # warning per task, nor torch's traceback of the node's agent.
+    assert re.search(r"node-0 exited with status 1: node-0 rank 0: EnvError: iteration 1: 4 of 4 groups failed in their "
+                     r"environment .*flaky.py:AlwaysRaises.step\(\) raised KeyError", result.stdout), result.stdout
+    assert "Traceback" not in result.stdout and "elasticrl demo: training failed after 0/3 iterations" in result.stdout
+    assert result.stdout.count("failed in its environment") <= 2, result.stdout  # one a 30 s, on each of two tries
 
 
 def test_a_step_past_its_deadline_fails_its_episode_and_the_retry_succeeds(tmp_path):

@@ -84,3 +84,31 @@ def test_an_unfinished_runs_snapshots_are_freed_unless_the_user_named_the_run(tm
     finally:
         for root in (made, named):
             shutil.rmtree(root, ignore_errors=True)
+
+
+TORCH_TAIL = """Traceback (most recent call last):
+  File "torch/distributed/elastic/agent/server/api.py", line 528, in _rendezvous
+    rdzv_info = spec.rdzv_handler.next_rendezvous()
+  File "elasticrl/rendezvous/handler.py", line 347, in _stop_if_asked
+    raise RendezvousClosedError(f"run {cfg.run_id!r}: node {cfg.node_id} stops, its worker failed in a way "
+torch.distributed.elastic.rendezvous.api.RendezvousClosedError: run 'r': node vm-1 stops, its worker failed in a way \
+restarts do not fix: node-0 rank 1: EnvError: iteration 1: 32 of 32 groups failed; last error: env bad.py:Bad.reset() raised \
+RuntimeError: no site
+"""
+
+
+@pytest.mark.parametrize("log, reason", [
+    (TORCH_TAIL, "node-0 rank 1: EnvError: iteration 1: 32 of 32 groups failed; last error: env bad.py:Bad.reset() raised RuntimeError: no site"),
+    ("2026-11-27 12:00:00 ERROR x: training failed\nTraceback (most recent call last):\n  File \"a.py\"\nRuntimeError: boom\n",
+     "RuntimeError: boom"),
+])
+def test_a_failed_node_is_reported_by_what_stopped_it_not_by_its_last_lines(tmp_path, capsys, log, reason):
+    # Found by a user's run: each failed node printed its log's last 25 lines, torch's traceback
+    # of its agent, with the reason last.
+    node = finished_node(tmp_path, 1)
+    with open(node.log_path, "w") as f:
+        f.write(log)
+    rc = _summarize(write_run(tmp_path, [{"iteration": 1}]), [node], 2, 5.0, killed=False, no_plot=True, label="elasticrl run")
+    err = capsys.readouterr().err
+    assert rc == 1 and f"node-0 exited with status 1: {reason}\n  (its log: {node.log_path})" in err, err
+    assert "Traceback" not in err and "File " not in err

@@ -36,6 +36,7 @@ from elasticrl.train.rollout_link import (
     batch_from_groups,
     iteration_tasks,
 )
+from elasticrl.train.logcontext import Repeats
 from elasticrl.train.rollout_only import CoordinatorWeights
 from elasticrl.train.staleness import IdleMeter
 
@@ -55,7 +56,7 @@ def engine(model, vocab, task, version: int = 7, reward=None, make_env=None) -> 
     w.gate, w.stop_token_ids, w.version_timeout_s, w.groups_done, w.groups_failed = VersionGate(version), (), 5.0, 0, 0
     w.transcript_with_prompt = False
     w.error, w._failures, w._failures_lock, w._stop = None, 0, threading.Lock(), None
-    w.idle = IdleMeter()
+    w.idle, w._env_warnings = IdleMeter(), Repeats()
     return w
 
 
@@ -299,8 +300,9 @@ def test_a_failing_reward_stops_the_worker_and_engine_failures_do_after_a_few():
     assert w.error is None
 
 
-def test_a_group_whose_env_fails_comes_back_as_a_failed_attempt_not_an_engine_failure():
-    """An env error fails its group (retried elsewhere by the scheduler), never the engine worker."""
+def test_a_group_whose_env_fails_comes_back_as_a_failed_attempt_not_an_engine_failure(caplog):
+    """An env error fails its group (retried elsewhere by the scheduler), never the engine worker;
+    the log gets one line for the tasks that fail the same way, not one a task."""
 
     class Flaky:
         def reset(self, *, seed=None, options=None):
@@ -323,6 +325,20 @@ def test_a_group_whose_env_fails_comes_back_as_a_failed_attempt_not_an_engine_fa
     finally:
         w.runner.close()
     assert w.error is None and w.groups_failed == 8
+    lines = [r.getMessage() for r in caplog.records if "failed in its environment" in r.getMessage()]
+    assert len(lines) == 1 and "more tasks failing the same way are counted and written once every 30s" in lines[0], lines
+
+
+def test_repeated_warnings_are_written_once_a_window_with_the_count_left_out():
+    now = [0.0]
+    repeats = Repeats(10.0, clock=lambda: now[0], max_causes=2)
+    assert repeats.take("a") == 0  # the first of a cause: written
+    assert [repeats.take("a") for _ in range(3)] == [None, None, None]
+    assert repeats.take("b") == 0  # another cause is written at once
+    now[0] = 10.0
+    assert repeats.take("a") == 3 and repeats.take("a") is None  # the window passed: written, with the count
+    assert repeats.take("c") == 0  # a third cause forgets the oldest ("a")
+    assert repeats.take("a") == 0
 
 
 def test_a_group_is_stamped_with_the_version_the_engine_drew_it_with_not_the_tasks_minimum():
