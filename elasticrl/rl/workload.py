@@ -165,7 +165,7 @@ def load_dataset_rows(cfg: NodeConfig, reward: RewardFunction | None) -> Dataset
     if reward is not None:  # the held-out rows too: an evaluation must not stop the run hours in
         for where, some in ((t.path, rows), (t.eval_path, held_out if t.eval_path else [])):
             if some:
-                _check_reward_fields(reward, [k for k, v in some[0].items() if v is not None], where)
+                _check_reward_fields(reward, list(some[0]), where)  # every column (load_rows gives each row all of them)
     if cfg.run.eval_interval and not held_out:
         log.warning("run.eval_interval = %d but the dataset has no held-out rows (task.eval_path or task.eval_fraction): "
                     "no evaluation will run", cfg.run.eval_interval)

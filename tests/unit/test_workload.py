@@ -176,6 +176,9 @@ def test_a_reward_column_missing_from_the_held_out_file_is_refused_at_start_not_
         load_dataset_rows(cfg, reward)
     write_jsonl(held, [{"prompt": "ab=", "answer": "ba"}])
     assert load_dataset_rows(cfg, reward).eval_rows(1) == [{"prompt": "ab=", "answer": "ba"}]
+    # A column the first row lacks but others have is a column (the reward gets None for that row).
+    write_jsonl(train, [{"prompt": "ab="}, {"prompt": "cd=", "answer": "dc"}])
+    assert load_dataset_rows(cfg, reward).train_rows(1, 2)[0]["answer"] in (None, "dc")
 
 
 def test_a_reward_column_that_generated_or_toy_rows_never_have_is_refused_at_start():
