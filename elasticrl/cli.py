@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from elasticrl import __version__
@@ -16,7 +17,8 @@ from elasticrl.config.base import check_address, seconds_arg
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default="127.0.0.1:50051", metavar="HOST:PORT", help="coordinator address (default: %(default)s)")
-    p.add_argument("--token-file", help="file holding the shared token (default: $ELASTICRL_TOKEN if set)")
+    p.add_argument("--token-file", help="file holding the shared token (default: $ELASTICRL_TOKEN_FILE; without either, "
+                   "the token itself from $ELASTICRL_TOKEN, if set)")
     p.add_argument("--tls-ca", help="PEM CA bundle to verify a TLS coordinator")
     p.add_argument("--timeout", type=seconds_arg, default=10.0, metavar="S", help="per-call deadline, seconds (default: %(default)s)")
 
@@ -136,19 +138,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    """The client token (``--token-file``, else $ELASTICRL_TOKEN); an unreadable file exits 2."""
+    """The client token (``--token-file``, else $ELASTICRL_TOKEN_FILE as the workers read it, else the
+    token in $ELASTICRL_TOKEN); an unreadable file exits 2."""
+    from elasticrl.config.node import TOKEN_FILE_ENV
     from elasticrl.coordinator.client import resolve_token
 
+    path, source = args.token_file, "--token-file"
+    if not path and os.environ.get(TOKEN_FILE_ENV):
+        path, source = os.environ[TOKEN_FILE_ENV], f"${TOKEN_FILE_ENV}"
     try:
-        return resolve_token(None, args.token_file)
+        return resolve_token(None, path)
     except OSError as exc:
-        print(f"elasticrl {args.command}: --token-file: cannot read {args.token_file}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"elasticrl {args.command}: {source}: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(2)
 
 
 def _relay(args: argparse.Namespace) -> int:
     import asyncio
-    import os
     import signal
     import socket
     import stat

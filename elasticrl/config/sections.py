@@ -62,7 +62,8 @@ class CoordinatorSection:
     address: str = ""
     """Coordinator HOST:PORT; empty means $ELASTICRL_COORDINATOR."""
     token_file: str = ""
-    """File holding the coordinator's shared token; empty means $ELASTICRL_TOKEN if set."""
+    """File holding the coordinator's shared token; empty means $ELASTICRL_TOKEN_FILE (the torchrun
+    plugin sets it from ``--rdzv-conf token_file``), else the token itself from $ELASTICRL_TOKEN."""
     tls_ca: str = ""
     """PEM CA bundle to verify a TLS coordinator; empty for plaintext."""
     barrier_timeout_s: float = 60.0

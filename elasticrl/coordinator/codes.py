@@ -75,7 +75,8 @@ def error_from_status(
     if cls is errors.CoordinatorUnavailableError:
         return cls(f"coordinator at {address} is unreachable: {message}")
     if cls is errors.AuthError:
-        return cls(f"coordinator at {address} refused the call: {message} (check --token-file / ELASTICRL_TOKEN)")
+        return cls(f"coordinator at {address} refused the call: {message} (check the token sent: a file named by --token-file, "
+                   "--rdzv-conf token_file=, [coordinator] token_file or $ELASTICRL_TOKEN_FILE, else $ELASTICRL_TOKEN itself)")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED and not class_name:  # the client's own deadline, not an answer
         return cls(f"coordinator at {address} did not answer within the call's deadline: {message}")
     return cls(message)

@@ -32,7 +32,8 @@ rejoin_timeout      30          after a failure, hold the new round (past the la
 lease_ttl           (server)    this agent's lease; silent this long -> evicted. Default: the
                                 coordinator's ``--lease-ttl``
 read_timeout        60          default timeout of the agent store's blocking get/wait
-token_file          $ELASTICRL_TOKEN  file whose first line is the coordinator's shared token
+token_file          (none)      file whose first line is the coordinator's shared token;
+                                without it, the token itself from $ELASTICRL_TOKEN
 tls_ca              (none)      PEM CA bundle: talk TLS to the coordinator
 node_id             HOST-PID    member id of this agent; set it to keep a node's identity
                                 (and rank) across agent restarts

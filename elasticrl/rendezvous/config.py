@@ -53,7 +53,7 @@ class RendezvousConfig:
     read_timeout_s: float = 60.0
     """Default timeout of the agent store's blocking get/wait, seconds."""
     token_file: str | None = None
-    """File holding the coordinator's shared token; None falls back to $ELASTICRL_TOKEN."""
+    """File holding the coordinator's shared token; None: the token itself from $ELASTICRL_TOKEN."""
     tls_ca: str | None = None
     """PEM CA bundle to verify a TLS coordinator; None talks plaintext."""
     call_timeout_s: float = 10.0

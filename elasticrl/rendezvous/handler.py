@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 # One RoundJoin call blocks at most this long; shorter than the client's cap so that a closed or
 # fenced state is noticed between calls, too.
 ROUND_WAIT_CHUNK_S = 5.0
+# A node still waiting for its round after this long says so (what it waits for), and again as often.
+WAIT_NOTE_S = 30.0
 # torchrun's exit barrier in the agents' store (torch.distributed.elastic.agent.server.api).
 EXIT_BARRIER = "torchelastic/agent/terminal_state"
 # How often a non-zero rank re-checks, while waiting for rank 0's MASTER_ADDR, that rank 0 lives.
@@ -274,6 +276,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
         cfg = self.config
         give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
         standby = False
+        note_at = time.monotonic() + WAIT_NOTE_S  # a round that gathers at once says nothing
         self._stop_if_asked()
         with rendezvous_errors(cfg.endpoint, cfg.run_id):
             while True:
@@ -312,6 +315,11 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                         if not standby:
                             log.info("run %s: %s is a standby: %s; it waits for a slot", cfg.run_id, m.member_id, res.reason)
                         give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
+                    elif time.monotonic() >= note_at:  # e.g. a survivor below --nnodes' minimum: say why it waits
+                        log.info("run %s: waiting for a round of at least %d node(s) (--nnodes=%d:%d): %s; this node "
+                                 "gives up in %.0fs (join_timeout)", cfg.run_id, cfg.min_nodes, cfg.min_nodes, cfg.max_nodes,
+                                 res.reason, give_up - time.monotonic())
+                        note_at = time.monotonic() + WAIT_NOTE_S
                     standby = res.standby
                     continue
                 store = CoordinatorStore(

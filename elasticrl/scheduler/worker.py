@@ -372,8 +372,11 @@ class RolloutWorker:
             else:
                 groups = [await loop.run_in_executor(executor, self.generate, batch[0])]
         except Exception as exc:  # noqa: BLE001 - an engine failure gives the tasks back, it does not kill the worker
-            log.exception("worker %s: %d task(s) failed", self.member_id, len(batch))
-            self.stats.failed += len(batch)
+            if getattr(exc, "stopping", False):  # the engine is stopping (a world re-forming): not a failure
+                log.info("worker %s: %d task(s) given back: %s", self.member_id, len(batch), exc)
+            else:
+                log.exception("worker %s: %d task(s) failed", self.member_id, len(batch))
+                self.stats.failed += len(batch)
             for a in batch:
                 if self._running.pop((a.iteration, a.task.task_id), None) is not None:
                     self._send(spb.WorkRequest(release=spb.ReleaseTasks(

@@ -77,8 +77,8 @@ class InPlace:
         if not lost:
             raise failure
         seen = time.monotonic()
-        log.warning("%s: %s; re-forming in place without %s", type(failure).__name__,
-                    str(failure).splitlines()[0][:200], ", ".join(lost))
+        log.warning("%s of the world gone (this rank saw %s: %s); re-forming in place without it", ", ".join(lost),
+                    type(failure).__name__, str(failure).splitlines()[0][:200])
         cfg = self.cfg
         self.recovery.close()  # the last finished iteration's snapshot, written if still pending
         self.members, self.world = self.reformer.reform(self.membership, self.watch, self.generation, self.world, self.logctx.node)

@@ -55,6 +55,8 @@ class PolicyVersionTimeout(ElasticRLError, TimeoutError):
 class GateClosed(ElasticRLError):
     """The worker is stopping: no task waits for a policy version any more."""
 
+    stopping = True  # the scheduler's worker gives the tasks back without calling it a failure
+
 
 MAX_ENGINE_FAILURES = 3
 """Consecutive failed batches after which a node's engine worker gives up (a transient failure

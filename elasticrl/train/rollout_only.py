@@ -29,7 +29,7 @@ from elasticrl.rl.rewards import reward_function
 from elasticrl.rl.workload import toy_task
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import unpack_state_dict
-from elasticrl.train.names import rollout_run
+from elasticrl.train.names import rollout_run, workers_run
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, GateClosed, PolicyVersionTimeout
 from elasticrl.weights.transfer import WeightFetcher
@@ -128,6 +128,20 @@ def default_member_id() -> str:
     return f"rollout-{socket.gethostname()}-{os.getpid()}"
 
 
+def _say_if_no_such_run(client: SchedulerClient, run_id: str, address: str) -> None:
+    """A worker named for a run the coordinator has never seen (a mistyped ``--run-id``, or a trainer
+    not started yet) waits all the same, but says so once, with the runs that are there."""
+    try:
+        runs = {r["snapshot"]["run_id"] for r in client.status().get("runs") or []}
+    except ElasticRLError:
+        return  # unreachable: the wait for the weights reports it
+    if {run_id, workers_run(run_id), rollout_run(run_id)} & runs:
+        return
+    there = sorted({r.removesuffix(".workers").removesuffix(".rollout") for r in runs})
+    print(f"elasticrl rollout: the coordinator at {address} has no run {run_id!r} (runs there: {', '.join(there) or 'none'}); "
+          "check --run-id, or start its trainer: this worker waits for it", flush=True)
+
+
 def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float = 1.0) -> int:
     """Serve the run until it closes (exit 0), SIGTERM/SIGINT (exit 0), or a failure (raises)."""
     c = cfg.coordinator
@@ -149,6 +163,7 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
                                 relay_host=r.relay_host, relay_port=r.relay_port, stop=stop)
         gate = CoordinatorWeights(fetcher, run_id, engine, lock, stop)
         print(f"elasticrl rollout: waiting for the trainer's weights in run {run_id} at {c.address} ...", flush=True)
+        _say_if_no_such_run(client, cfg.run.run_id, c.address)
         try:
             gate.refresh(-1, cfg.rollout.weights_wait_s)
         except GateClosed:

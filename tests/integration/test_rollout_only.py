@@ -68,6 +68,16 @@ def test_rollout_only_workers_join_and_leave_a_running_run(tmp_path):
         assert trainer.poll() is None, (tmp_path / "demo.log").read_text()
         second = rollout_worker("rollout-b")  # joins mid-run: its first weights come from rollout-a
         wait_until(lambda: groups_by("rollout-b") > 0 or second.poll() is not None, 90, message="rollout-b drawing groups")
+        # A worker given a run id the coordinator does not have waits, but says so (found by an operator:
+        # a mistyped --run-id waited in silence).
+        stray = start([sys.executable, "-m", "elasticrl.cli", "rollout", "--coordinator", address, "--config", BUNDLED,
+                       "--run-id", "nope", "--member-id", "stray", f"--run.run_dir={tmp_path / 'stray'}"], tmp_path / "stray.log")
+        workers.append(stray)
+        wait_until(lambda: "has no run 'nope'" in (tmp_path / "stray.log").read_text() or stray.poll() is not None, 90,
+                   message="the stray worker's word on its run id")
+        os.killpg(stray.pid, signal.SIGTERM)
+        assert stray.wait(timeout=30) == 0, (tmp_path / "stray.log").read_text()
+        assert f"(runs there: {run_id}); check --run-id" in (tmp_path / "stray.log").read_text()
         killed_at = reported(out)
         os.killpg(first.pid, signal.SIGKILL)  # gone without a word: its lease lapses, its tasks go back
         first.wait(timeout=10)
@@ -82,7 +92,7 @@ def test_rollout_only_workers_join_and_leave_a_running_run(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
     b_log = (tmp_path / "rollout-b.log").read_text()
-    assert "is closed (training finished)" in b_log, b_log
+    assert "is closed (training finished)" in b_log and "has no run" not in b_log, b_log
     loads = [line for line in b_log.splitlines() if "elasticrl.weights.transfer" in line and "MB from" in line]
     assert loads and "from rollout-a [0," in loads[0], loads[:3]  # a peer, not the trainer
     assert any("from rank-0" in line for line in loads[1:]), loads  # after rollout-a died: the trainer

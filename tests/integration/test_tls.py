@@ -6,6 +6,7 @@ certificate. Every client surface (coordinator calls, scheduler calls, the weigh
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,16 @@ def test_every_client_surface_over_tls_with_a_token(coordinator_factory, pki):
     )
     assert status.returncode == 0, status.stderr
     assert {r["snapshot"]["run_id"] for r in json.loads(status.stdout)["runs"]} >= {"r.workers"}
+    # The token file the workers read ($ELASTICRL_TOKEN_FILE, set by the torchrun plugin) serves the CLI too.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRL_")}
+    (pki / "wrong").write_text("not-the-token\n")
+    for token_file, rc in ((pki / "token", 0), (pki / "wrong", 1)):
+        status = subprocess.run(
+            [sys.executable, "-m", "elasticrl.cli", "status", "--coordinator", coord.address, "--tls-ca", ca, "--json"],
+            cwd=REPO, capture_output=True, text=True, timeout=60, env={**env, "ELASTICRL_TOKEN_FILE": str(token_file)},
+        )
+        assert status.returncode == rc and "Traceback" not in status.stderr, status.stderr
+    assert "refused the call" in status.stderr and "$ELASTICRL_TOKEN_FILE" in status.stderr, status.stderr
 
     with SchedulerClient(coord.address, tls_ca=ca, call_timeout_s=2, reconnect_timeout_s=2) as no_token:
         with pytest.raises(AuthError):

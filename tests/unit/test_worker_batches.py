@@ -33,3 +33,34 @@ def test_results_done_together_leave_as_full_batches_at_once_and_the_rest_when_n
     # slots while the rest is still being sent; the last 2 go because nothing else runs.
     assert [len(spans) for spans in sent] == [3, 3, 2]
     assert w.stats.batches_sent == 3 and w.stats.completed == 8
+
+
+class Stopping(Exception):
+    stopping = True  # as the node's GateClosed: its engine is stopping, not failing
+
+
+@pytest.mark.parametrize("error, failed", [(Stopping("the engine worker is stopping"), 0), (RuntimeError("CUDA error"), 2)])
+def test_tasks_an_engine_gives_back_while_stopping_are_released_without_an_error(caplog, error, failed):
+    # Found by an operator: every in-place re-form logged ERROR "N task(s) failed" with a
+    # traceback, for tasks its stopping engine gave back.
+    def generate_batch(batch):
+        raise error
+
+    w = RolloutWorker("127.0.0.1:1", "r", "w", None, generate_batch=generate_batch, slots=8)
+    w._outbox = asyncio.Queue()
+    batch = [Assignment(1, TaskSpec(task_id=f"t{i}", prompt_ids=[1]), 10.0, False) for i in range(2)]
+    for a in batch:
+        w._running[(1, a.task.task_id)] = a
+
+    async def run():
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            await w._run_tasks(executor, batch)
+        return [w._outbox.get_nowait().release.task_ids[0] for _ in range(w._outbox.qsize())]
+
+    with caplog.at_level("INFO", logger="elasticrl.scheduler.worker"):
+        released = asyncio.run(asyncio.wait_for(run(), 10))
+    assert released == ["t0", "t1"] and not w._running and w.stats.failed == failed
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert (len(errors), bool(errors and errors[0].exc_info)) == ((0, False) if failed == 0 else (1, True))
+    if failed == 0:
+        assert any("2 task(s) given back: the engine worker is stopping" in r.getMessage() for r in caplog.records)
