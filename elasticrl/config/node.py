@@ -298,6 +298,30 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+# What may differ from node to node: where this node finds its files and its coordinator, its
+# hardware and capacity, its logs. Everything else must be the same on every node of a run.
+PER_NODE_SECTIONS = frozenset({"coordinator", "engine", "logging"})
+PER_NODE_KEYS = frozenset({
+    "run.run_dir", "run.num_threads", "model.path", "task.path", "task.eval_path", "env.kwargs", "env.episodes_in_flight",
+    "env.step_timeout_s", "rollout.slots", "rollout.relay_host", "rollout.relay_port", "rollout.weights_wait_s",
+    "checkpoint.dir", "checkpoint.snapshot_dir", "checkpoint.snapshot_timeout_s", "checkpoint.export_hf",
+})
+
+
+def run_settings(config: NodeConfig) -> dict[str, Any]:
+    """The settings every node of a run must share (``section.key`` -> value, JSON-able): all but
+    ``PER_NODE_SECTIONS`` and ``PER_NODE_KEYS``."""
+    return {f"{section}.{key}": value for section, values in sorted(to_dict(config).items()) if section not in PER_NODE_SECTIONS
+            for key, value in sorted(values.items()) if f"{section}.{key}" not in PER_NODE_KEYS}
+
+
+def setting_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 8) -> list[str]:
+    """``"trainer.lr = 0.01 here, 0.001 there"`` for each setting that differs (at most ``limit``)."""
+    keys = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    out = [f"{k} = {json.dumps(mine.get(k))} here, {json.dumps(theirs.get(k))} there" for k in keys[:limit]]
+    return out + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
 def write_json(config: Any, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (a reader never sees half a file)."""
     tmp = f"{os.fspath(path)}.tmp"

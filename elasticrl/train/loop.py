@@ -55,6 +55,7 @@ from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.inplace import InPlace
 from elasticrl.train.recovery import Recovery
+from elasticrl.train.same_config import check_same_settings
 from elasticrl.train.reform import WorldChangedError
 from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, check_failures, dummy_batch
 from elasticrl.train.staleness import keep_fresh, lag_summary, merge_lags
@@ -127,6 +128,7 @@ class NodeTrainer(InPlace):
             torch.cuda.set_device(world.local_rank)
             self.device = torch.device("cuda", world.local_rank)
         init_process_group(cfg.trainer.backend, world, timeout_s=cfg.coordinator.barrier_timeout_s + 60)
+        check_same_settings(cfg, world.rank)  # a node with another config stops here, before it joins anything
         c = cfg.coordinator
         token = self._token = resolve_token(None, c.token_file or None)
         self.client = SchedulerClient(

@@ -165,3 +165,22 @@ def test_rollout_worker_refuses_bad_input_with_status_2(args, message):
     done = _cli("-m", "elasticrl.cli", "rollout", "--config", "elasticrl/configs/demo.toml",
                 "--coordinator", "127.0.0.1:9", "--run-id", "r", *args)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_settings_every_node_must_share_leave_out_the_per_node_ones():
+    from elasticrl.config.node import PER_NODE_KEYS, run_settings, setting_differences
+    from elasticrl.train.same_config import reference
+
+    base = load_config(None, parse_overrides([]))
+    mine = run_settings(base)
+    assert "trainer.lr" in mine and "model.d_model" in mine and "run.iterations" in mine
+    assert not any(k.startswith(("coordinator.", "engine.", "logging.")) or k in PER_NODE_KEYS for k in mine)
+    # Paths, hardware and capacity may differ from node to node; a hyper-parameter may not.
+    other = load_config(None, parse_overrides(["--run.run_dir=/elsewhere", "--model.d_model=128", "--rollout.slots=2",
+                                               "--engine.max_batch_rows=7", "--trainer.lr=0.01", "--logging.level=debug"]))
+    assert setting_differences(run_settings(other), mine) == [
+        f"model.d_model = 128 here, {base.model.d_model} there", f"trainer.lr = 0.01 here, {json.dumps(base.trainer.lr)} there"]
+    many = {f"k{i}": i for i in range(10)}
+    assert setting_differences(many, {}, limit=3)[-1] == "and 7 more"
+    # The run's settings: the most common, a tie going to the lowest rank.
+    assert reference(["a", "b", "b"]) == 1 and reference(["a", "b"]) == 0 and reference(["b", "a", "a", "b"]) == 0
