@@ -98,6 +98,7 @@ class MemberStream:
         closed cleanly). A broken stream is reopened at once, then with backoff. Raises
         ``FencedError`` once the incarnation is fenced."""
         budget = wire.ReopenBudget(float("inf"))
+        outage = wire.OutageNotes()  # while the coordinator stays unreachable: a warning every 10 s, not each reopen
         while not self.stop.is_set():
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             with self._lock:
@@ -128,8 +129,11 @@ class MemberStream:
             if self.stop.is_set():
                 return
             pause = budget.pause_after(up)
-            log.log(logging.DEBUG if up else logging.WARNING, "member %s: session stream to %s broke (%s); reopening in %.2fs",
-                    self.member_id, self.client.address, detail, pause)
+            if up:
+                outage.ok()  # it was up: reopened at once, as a rule
+            note = None if up else outage.failed()
+            log.log(logging.DEBUG if note is None else logging.WARNING, "member %s: session stream to %s broke (%s); reopening in %.2fs%s",
+                    self.member_id, self.client.address, detail, pause, note or "")
             if self.stop.wait(pause):
                 return
 

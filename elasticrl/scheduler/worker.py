@@ -238,10 +238,12 @@ class RolloutWorker:
             await asyncio.wait({streams}, timeout=max(0.0, deadline - time.monotonic()))
 
     async def _keep_alive(self, ttl_s: float) -> None:
+        outage = wire.OutageNotes()  # a coordinator down: a warning every 10 s, not one per keep-alive
         while True:
             await asyncio.sleep(ttl_s / 3)
             try:
                 await self._client.keep_alive(self.run_id, self.member_id, self.incarnation, retry_s=ttl_s / 3)
+                outage.ok()
             except FencedError as exc:
                 # Stop taking work, but keep the stream: what finishes is still sent, and the
                 # coordinator refuses and counts it, then ends the stream (-> run raises).
@@ -250,7 +252,9 @@ class RolloutWorker:
                 log.error("worker %s incarnation %d fenced: %s", self.member_id, self.incarnation, exc)
                 return
             except ElasticRLError as exc:
-                log.warning("worker %s: keep-alive failed (%s); retrying", self.member_id, exc)
+                note = outage.failed()
+                log.log(logging.DEBUG if note is None else logging.WARNING, "worker %s: keep-alive failed (%s); retrying%s",
+                        self.member_id, exc, note or "")
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -50,6 +50,20 @@ def installed(command: list[str]) -> list[str]:
     return [os.path.join(os.path.dirname(sys.executable), command[0]), *command[1:]]
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process group, then SIGKILL what is left after 15 s."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
 def test_the_readme_coordinator_and_torchrun_commands_run_as_written(tmp_path):
     lines = using_it_block()
     coordinator_line = next(line for line in lines if line.startswith("elasticrl coordinator "))
@@ -98,13 +112,4 @@ def test_the_readme_coordinator_and_torchrun_commands_run_as_written(tmp_path):
         records = (tmp_path / "runs" / "my-run" / "metrics.jsonl").read_text().splitlines()
         assert len(records) == 2 and '"world_size": 2' in records[-1], records
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        stop_all(procs)

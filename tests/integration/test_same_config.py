@@ -8,15 +8,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
+import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import REPO, wait_until
-from tests.integration.test_readme_commands import free_port, installed
+from tests.integration.test_readme_commands import free_port, installed, stop_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -46,11 +45,8 @@ def test_a_node_with_another_config_stops_naming_it_and_the_run_goes_on(tmp_path
         start(["elasticrl", "coordinator", "--port", str(port), "--state-dir", str(tmp_path / "state")], "coordinator")
 
         def listening() -> bool:
-            with contextlib.suppress(OSError):
-                import socket
-
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    return True
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
             return False
 
         wait_until(listening, 30, message="the coordinator listening")
@@ -62,16 +58,7 @@ def test_a_node_with_another_config_stops_naming_it_and_the_run_goes_on(tmp_path
             except subprocess.TimeoutExpired:
                 pytest.fail(f"a torchrun agent did not finish:\n{logs()}")
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        stop_all(procs)
     # Two ranks, one config each: a tie, which the lowest rank's config wins. Either node may be it.
     codes = [p.returncode for p in nodes]
     assert sorted(codes) == [0, 1], (codes, logs())

@@ -14,12 +14,9 @@ from elasticrl.scheduler.worker import Assignment, RolloutWorker
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_results_done_together_leave_as_full_batches_at_once_and_the_rest_when_nothing_runs():
-    def generate_batch(batch: list[Assignment]) -> list[GroupRecord]:  # 400 bytes of samples a group
-        return [GroupRecord(a.task.task_id, "w", 0, 0.0, 0.0, [SampleRecord(b"\0" * 200, b"\0" * 200, 1.0)]) for a in batch]
-
-    w = RolloutWorker("127.0.0.1:1", "r", "w", None, generate_batch=generate_batch, slots=8, batch_bytes=1000)
-    batch = [Assignment(1, TaskSpec(task_id=f"t{i}", prompt_ids=[1]), 10.0, False) for i in range(8)]
+def run_tasks(w: RolloutWorker, n: int) -> None:
+    """``n`` tasks of iteration 1, handed to ``w`` as one assignment message, run to their end."""
+    batch = [Assignment(1, TaskSpec(task_id=f"t{i}", prompt_ids=[1]), 10.0, False) for i in range(n)]
     for a in batch:
         w._running[(1, a.task.task_id)] = a
 
@@ -28,6 +25,14 @@ def test_results_done_together_leave_as_full_batches_at_once_and_the_rest_when_n
             await w._run_tasks(executor, batch)
 
     asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_results_done_together_leave_as_full_batches_at_once_and_the_rest_when_nothing_runs():
+    def generate_batch(batch: list[Assignment]) -> list[GroupRecord]:  # 400 bytes of samples a group
+        return [GroupRecord(a.task.task_id, "w", 0, 0.0, 0.0, [SampleRecord(b"\0" * 200, b"\0" * 200, 1.0)]) for a in batch]
+
+    w = RolloutWorker("127.0.0.1:1", "r", "w", None, generate_batch=generate_batch, slots=8, batch_bytes=1000)
+    run_tasks(w, 8)
     sent = [framing.result_batch_spans(request)[1] for request in w.unacked]
     # A batch goes as soon as it holds batch_bytes (3 groups here), so the coordinator frees those
     # slots while the rest is still being sent; the last 2 go because nothing else runs.
@@ -48,17 +53,9 @@ def test_tasks_an_engine_gives_back_while_stopping_are_released_without_an_error
 
     w = RolloutWorker("127.0.0.1:1", "r", "w", None, generate_batch=generate_batch, slots=8)
     w._outbox = asyncio.Queue()
-    batch = [Assignment(1, TaskSpec(task_id=f"t{i}", prompt_ids=[1]), 10.0, False) for i in range(2)]
-    for a in batch:
-        w._running[(1, a.task.task_id)] = a
-
-    async def run():
-        with concurrent.futures.ThreadPoolExecutor(1) as executor:
-            await w._run_tasks(executor, batch)
-        return [w._outbox.get_nowait().release.task_ids[0] for _ in range(w._outbox.qsize())]
-
     with caplog.at_level("INFO", logger="elasticrl.scheduler.worker"):
-        released = asyncio.run(asyncio.wait_for(run(), 10))
+        run_tasks(w, 2)
+    released = [w._outbox.get_nowait().release.task_ids[0] for _ in range(w._outbox.qsize())]
     assert released == ["t0", "t1"] and not w._running and w.stats.failed == failed
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert (len(errors), bool(errors and errors[0].exc_info)) == ((0, False) if failed == 0 else (1, True))
