@@ -128,13 +128,13 @@ class NodeTrainer(InPlace):
             torch.cuda.set_device(world.local_rank)
             self.device = torch.device("cuda", world.local_rank)
         init_process_group(cfg.trainer.backend, world, timeout_s=cfg.coordinator.barrier_timeout_s + 60)
-        check_same_settings(cfg, world.rank)  # a node with another config stops here, before it joins anything
         c = cfg.coordinator
         token = self._token = resolve_token(None, c.token_file or None)
         self.client = SchedulerClient(
             c.address, token=token, tls_ca=c.tls_ca or None,
             call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
         )
+        check_same_settings(cfg, world.rank, self.client)  # a node with another config stops here, before it joins
         members_run = workers_run(cfg.run.run_id)
         self.generation = self._next_generation()
         self._lead(token)

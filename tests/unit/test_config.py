@@ -184,3 +184,7 @@ def test_the_settings_every_node_must_share_leave_out_the_per_node_ones():
     assert setting_differences(many, {}, limit=3)[-1] == "and 7 more"
     # The run's settings: the most common, a tie going to the lowest rank.
     assert reference(["a", "b", "b"]) == 1 and reference(["a", "b"]) == 0 and reference(["b", "a", "a", "b"]) == 0
+    # ... unless a rank holds the settings the run trained with so far: a newcomer does not win a tie
+    # (or a majority) by drawing a lower rank.
+    assert reference(["b", "a"], known="a") == 1 and reference(["b", "b", "a"], known="a") == 2
+    assert reference(["b", "b"], known="a") == 0  # every rank started again with new settings
