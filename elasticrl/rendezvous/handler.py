@@ -316,7 +316,7 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                             log.info("run %s: %s is a standby: %s; it waits for a slot", cfg.run_id, m.member_id, res.reason)
                         give_up = time.monotonic() + cfg.join_timeout_s + cfg.last_call_s
                     elif time.monotonic() >= note_at:  # e.g. a survivor below --nnodes' minimum: say why it waits
-                        log.info("run %s: waiting for a round of at least %d node(s) (--nnodes=%d:%d): %s; this node "
+                        log.warning("run %s: waiting for a round of at least %d node(s) (--nnodes=%d:%d): %s; this node "
                                  "gives up in %.0fs (join_timeout)", cfg.run_id, cfg.min_nodes, cfg.min_nodes, cfg.max_nodes,
                                  res.reason, give_up - time.monotonic())
                         note_at = time.monotonic() + WAIT_NOTE_S
