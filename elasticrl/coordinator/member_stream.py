@@ -33,6 +33,7 @@ from elasticrl._proto import coordinator_pb2 as pb
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.session_relay import RelayCall
 from elasticrl.errors import CoordinatorTimeoutError, FencedError
+from elasticrl.repeats import Repeats
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class MemberStream:
         closed cleanly). A broken stream is reopened at once, then with backoff. Raises
         ``FencedError`` once the incarnation is fenced."""
         budget = wire.ReopenBudget(float("inf"))
-        outage = wire.OutageNotes()  # while the coordinator stays unreachable: a warning every 10 s, not each reopen
+        outage = Repeats(10.0)  # while the coordinator stays unreachable: a warning every 10 s, not each reopen
         while not self.stop.is_set():
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             with self._lock:
@@ -131,9 +132,9 @@ class MemberStream:
             pause = budget.pause_after(up)
             if up:
                 outage.ok()  # it was up: reopened at once, as a rule
-            note = None if up else outage.failed()
+            note = None if up else outage.take()
             log.log(logging.DEBUG if note is None else logging.WARNING, "member %s: session stream to %s broke (%s); reopening in %.2fs%s",
-                    self.member_id, self.client.address, detail, pause, note or "")
+                    self.member_id, self.client.address, detail, pause, "" if note is None else note.outage())
             if self.stop.wait(pause):
                 return
 

@@ -93,32 +93,6 @@ class ReopenBudget:
         return min(retry_wait()(types.SimpleNamespace(attempt_number=self._failures)), left)
 
 
-class OutageNotes:
-    """Which failed attempts of an outage (a coordinator unreachable for a while) are worth a warning:
-    the first, then one every ``every_s`` saying how long and how many, not one per attempt (a
-    reopen a second would write a line a second). Any success ends the outage."""
-
-    def __init__(self, every_s: float = 10.0, *, clock=time.monotonic):
-        self.every_s = every_s
-        self.clock = clock
-        self._since: float | None = None
-        self._tries = 0
-        self._said = float("-inf")
-
-    def ok(self) -> None:
-        self._since, self._tries, self._said = None, 0, float("-inf")
-
-    def failed(self) -> str | None:
-        """None: log this failure quietly; else warn, with this text appended ("" for the first)."""
-        now = self.clock()
-        self._since = now if self._since is None else self._since
-        self._tries += 1
-        if now - self._said < self.every_s:
-            return None
-        self._said = now
-        return "" if self._tries == 1 else f" (failing for {now - self._since:.0f}s, {self._tries} attempts)"
-
-
 async def stream_requests(outbox: asyncio.Queue):
     """The request iterator of one stream: what is put in ``outbox`` until a None ends it."""
     while (request := await outbox.get()) is not None:

@@ -199,12 +199,13 @@ def load_reward(spec: str) -> RewardFunction:
     if not callable(fn):
         attr = spec.rpartition(":")[2]
         raise RewardError(f"reward {spec!r}: {attr!r} in {spec.rpartition(':')[0]!r} is a {type(fn).__name__}, not callable")
+    reward = RewardFunction(spec, fn)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return RewardFunction(spec, fn)  # some builtins have no introspectable signature; the first call will tell
+        return reward  # some builtins have no introspectable signature; the first call will tell
     try:  # fn(prompt, completion, **row), the row's fields it names given as keywords
-        signature.bind("", "", **dict.fromkeys(RewardFunction(spec, fn).required))
+        signature.bind("", "", **dict.fromkeys(reward.required))
     except TypeError:
         try:
             signature.bind("", "", "")  # fn(prompt, completion, target)
@@ -213,7 +214,7 @@ def load_reward(spec: str) -> RewardFunction:
                 f"reward {spec!r}: {spec.rpartition(':')[2]!r} cannot be called as fn(prompt, completion, target) "
                 f"or fn(prompt, completion, **row): {e}"
             ) from None
-    return RewardFunction(spec, fn)
+    return reward
 
 
 def combine_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -> RewardFunction:

@@ -34,6 +34,7 @@ from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.aio_client import AsyncCoordinatorClient
 from elasticrl.coordinator.aio_session import worth_reopening
 from elasticrl.errors import CoordinatorUnavailableError, ElasticRLError, FencedError
+from elasticrl.repeats import Repeats
 from elasticrl.scheduler import framing
 from elasticrl.scheduler.convert import task_from_pb
 from elasticrl.scheduler.state import RELEASE_STOPPING, GroupRecord, TaskFailure, TaskSpec
@@ -238,7 +239,7 @@ class RolloutWorker:
             await asyncio.wait({streams}, timeout=max(0.0, deadline - time.monotonic()))
 
     async def _keep_alive(self, ttl_s: float) -> None:
-        outage = wire.OutageNotes()  # a coordinator down: a warning every 10 s, not one per keep-alive
+        outage = Repeats(10.0)  # a coordinator down: a warning every 10 s, not one per keep-alive
         while True:
             await asyncio.sleep(ttl_s / 3)
             try:
@@ -252,9 +253,9 @@ class RolloutWorker:
                 log.error("worker %s incarnation %d fenced: %s", self.member_id, self.incarnation, exc)
                 return
             except ElasticRLError as exc:
-                note = outage.failed()
+                note = outage.take()
                 log.log(logging.DEBUG if note is None else logging.WARNING, "worker %s: keep-alive failed (%s); retrying%s",
-                        self.member_id, exc, note or "")
+                        self.member_id, exc, "" if note is None else note.outage())
 
     # -- streams -----------------------------------------------------------------------------
 

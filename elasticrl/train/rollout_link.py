@@ -32,6 +32,7 @@ import torch
 from elasticrl.coordinator import malloc
 from elasticrl.env import EnvError
 from elasticrl.errors import ElasticRLError, RunClosedError
+from elasticrl.repeats import Repeats
 from elasticrl.rl.rewards import RewardError
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.tasks import Example
@@ -40,7 +41,6 @@ from elasticrl.rollout.engine import SamplingSpec
 from elasticrl.rollout.episodes import EpisodeRunner, GroupOutcome, GroupTask
 from elasticrl.scheduler.state import FetchedGroup, GroupRecord, SampleRecord, Sampling, Split, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import Assignment, RolloutWorker
-from elasticrl.train.logcontext import Repeats
 from elasticrl.train.staleness import IdleMeter
 
 log = logging.getLogger(__name__)
@@ -297,11 +297,11 @@ class EngineWorker:
             if outcome.episodes is None:
                 if not outcome.cancelled:
                     self.groups_failed += 1
-                    left_out = self._env_warnings.take(outcome.error or "")
-                    if left_out is not None:
+                    note = self._env_warnings.take(outcome.error or "")
+                    if note is not None:
                         log.warning("task %s failed in its environment (%d episode(s)): %s%s", a.task.task_id, outcome.env_errors,
-                                    outcome.error, f" (and {left_out} more task(s) the same way since the last such line)"
-                                    if left_out else " (more tasks failing the same way are counted and written once every "
+                                    outcome.error, f" (and {note.left_out} more task(s) the same way since the last such line)"
+                                    if note.left_out else " (more tasks failing the same way are counted and written once every "
                                     f"{self._env_warnings.window_s:g}s)")
                 out.append(TaskFailure(a.task.task_id, outcome.error or "cancelled", outcome.env_errors))
                 continue

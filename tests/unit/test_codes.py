@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from elasticrl.coordinator import codes, wire
+from elasticrl.coordinator import codes
 
 
 class Failed(grpc.RpcError):
@@ -35,16 +35,3 @@ def test_only_transport_refusals_are_retried(code, retried):
 def test_other_exceptions_are_not_retried():
     assert not codes.is_retryable(RuntimeError("UNAVAILABLE"))
 
-
-def test_an_outage_is_warned_about_once_a_while_not_at_every_retry():
-    # Found by an operator: a coordinator down for a minute wrote ~3 warnings a second per worker.
-    now = [0.0]
-    notes = wire.OutageNotes(10.0, clock=lambda: now[0])
-    said = []
-    for _ in range(25):  # a retry every 0.5 s for 12 s
-        said.append(notes.failed())
-        now[0] += 0.5
-    assert said[0] == "" and said[20] == " (failing for 10s, 21 attempts)"
-    assert [i for i, s in enumerate(said) if s is not None] == [0, 20]
-    notes.ok()  # back: the next failure is a new outage, warned about at once
-    assert notes.failed() == "" and notes.failed() is None

@@ -36,7 +36,7 @@ from elasticrl.train.rollout_link import (
     batch_from_groups,
     iteration_tasks,
 )
-from elasticrl.train.logcontext import Repeats
+from elasticrl.repeats import Repeats
 from elasticrl.train.rollout_only import CoordinatorWeights
 from elasticrl.train.staleness import IdleMeter
 
@@ -327,18 +327,6 @@ def test_a_group_whose_env_fails_comes_back_as_a_failed_attempt_not_an_engine_fa
     assert w.error is None and w.groups_failed == 8
     lines = [r.getMessage() for r in caplog.records if "failed in its environment" in r.getMessage()]
     assert len(lines) == 1 and "more tasks failing the same way are counted and written once every 30s" in lines[0], lines
-
-
-def test_repeated_warnings_are_written_once_a_window_with_the_count_left_out():
-    now = [0.0]
-    repeats = Repeats(10.0, clock=lambda: now[0], max_causes=2)
-    assert repeats.take("a") == 0  # the first of a cause: written
-    assert [repeats.take("a") for _ in range(3)] == [None, None, None]
-    assert repeats.take("b") == 0  # another cause is written at once
-    now[0] = 10.0
-    assert repeats.take("a") == 3 and repeats.take("a") is None  # the window passed: written, with the count
-    assert repeats.take("c") == 0  # a third cause forgets the oldest ("a")
-    assert repeats.take("a") == 0
 
 
 def test_a_group_is_stamped_with_the_version_the_engine_drew_it_with_not_the_tasks_minimum():
