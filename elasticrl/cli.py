@@ -10,9 +10,12 @@ import json
 import logging
 import os
 import sys
+import threading
 
 from elasticrl import __version__
 from elasticrl.config.base import check_address, seconds_arg
+
+WAIT_NOTE_S = 2.0  # a client command still waiting for the coordinator says so after this long
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
@@ -116,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # the address or the CA bundle; the message names the field
         print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
         return 2
+    # Unreachable, the client keeps trying for --timeout (a coordinator restarting is back in seconds):
+    # say so, rather than sit silent for 10 s.
+    note = threading.Timer(WAIT_NOTE_S, lambda: print(
+        f"elasticrl {args.command}: waiting for the coordinator at {args.coordinator} (gives up after --timeout "
+        f"{args.timeout:g}s)", file=sys.stderr, flush=True))
+    note.daemon = True
+    note.start()
     try:
         with client:
             if args.command == "status":
@@ -134,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except ElasticRLError as exc:
         print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        note.cancel()
     return 0
 
 

@@ -414,6 +414,17 @@ def test_random_dead_or_stopped_coordinator_fails_fast_and_clearly(coordinator_f
     assert out.elapsed < 2 * timeout_s + 1 + SLACK_S, describe(out)
 
 
+@pytest.mark.timeout(60)
+def test_a_client_command_still_waiting_for_the_coordinator_says_so():
+    # Found by an operator: `status` against a dead address sat silent for its 10 s --timeout.
+    address = f"127.0.0.1:{free_port()}"
+    out = cli(["status", "--coordinator", address, "--timeout", "3"])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 2, describe(out)
+    assert lines[0] == f"elasticrl status: waiting for the coordinator at {address} (gives up after --timeout 3s)", describe(out)
+    assert lines[1].startswith(f"elasticrl status: coordinator at {address} is unreachable"), describe(out)
+
+
 # -- session-relay -------------------------------------------------------------------------------
 
 @pytest.mark.timeout(90)
