@@ -445,10 +445,14 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
         self._fence(run, member_id, incarnation)
         rdzv = run.rendezvous
         cfg = rdzv.config
-        if cfg is not None and (cfg.min_nodes, cfg.max_nodes) != (config.min_nodes, config.max_nodes):
+        # A new --nnodes is taken only from a node with no other live: a job started again with
+        # another size (a new Kubernetes Job with another MAX) goes on with the same run.
+        resized = cfg is not None and (cfg.min_nodes, cfg.max_nodes) != (config.min_nodes, config.max_nodes)
+        if resized and any(m.live for m_id, m in run.members.items() if m_id != member_id):
             raise InvalidRequestError(
                 f"config: --nnodes={config.min_nodes}:{config.max_nodes} differs from the run's "
-                f"{cfg.min_nodes}:{cfg.max_nodes}; every node must pass the same --nnodes"
+                f"{cfg.min_nodes}:{cfg.max_nodes}; every node must pass the same --nnodes (a new one is "
+                "taken only once no node of the run is live)"
             )
         reason = self._take_timed_out(run, member_id)
         if reason is not None:
@@ -456,10 +460,13 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
         done = self._round_result(run, member_id, incarnation, after_round)
         if done is not None:
             return done
-        if rdzv.waiting.get(member_id) != incarnation:
+        if rdzv.waiting.get(member_id) != incarnation or resized:
             # The first waiter fixes the config; it is persisted with the waiting set.
             pending = copy_rendezvous(rdzv)
-            if pending.config is None:
+            if resized:
+                log.warning("run %s: --nnodes=%d:%d (from %s) replaces %d:%d: no node of the run was left", run_id,
+                            config.min_nodes, config.max_nodes, member_id, cfg.min_nodes, cfg.max_nodes)
+            if pending.config is None or resized:
                 pending.config = config
             pending.waiting[member_id] = incarnation
             log.info(

@@ -165,3 +165,27 @@ def test_last_call_closes_after_a_restart_with_min_nodes_waiting(tmp_path, clock
     again.tick()
     assert again.runs["r"].rendezvous.round == 1
     assert _wait_once(again, a, cfg).world_size == 2
+
+
+def test_a_new_nnodes_is_taken_once_no_node_of_the_run_is_live(tmp_path, clock):
+    # Found by an operator: a new Kubernetes Job with another MAX could never go on with the run.
+    from elasticrl.errors import InvalidRequestError
+
+    path = tmp_path / "s.sqlite"
+    core = CoordinatorCore(StateDB(path), lease_ttl_s=1000.0, clock=clock)
+    old = RoundConfig(1, 1, 1.0, 60.0)
+    a, _ = core.join("r", "a")
+    assert _wait_once(core, a, old).world_size == 1
+    bigger = RoundConfig(1, 2, 1.0, 60.0)
+    b, _ = core.join("r", "b")
+    with pytest.raises(InvalidRequestError, match=r"--nnodes=1:2 differs from the run's 1:1.*no node of the run is live"):
+        _wait_once(core, b, bigger)  # a still runs: every node of one job passes the same --nnodes
+    core.leave("r", "a", a.incarnation)
+    assert _wait_once(core, b, bigger).status == "waiting"  # the old job is gone: its size goes with it
+    assert core.runs["r"].rendezvous.config == bigger
+    core.db.close()
+    again = CoordinatorCore(StateDB(path), lease_ttl_s=1000.0, clock=clock)  # persisted with the waiting set
+    assert again.runs["r"].rendezvous.config == bigger
+    c, _ = again.join("r", "c")
+    with pytest.raises(InvalidRequestError, match="differs from the run's 1:2"):
+        _wait_once(again, c, old)

@@ -209,7 +209,7 @@ class World:
         self.seed, self.rng, self.clock = seed, random.Random(seed), Clock()
         self.path = tmp_path / "state.db"
         lo = self.rng.choice((1, 2, 3))
-        self.nnodes = (lo, lo + self.rng.choice((0, 1, 2)))
+        self.nnodes = self.first_nnodes = (lo, lo + self.rng.choice((0, 1, 2)))
         self.log: list = []
         self.step = -1
         self.restarts = 0
@@ -225,10 +225,12 @@ class World:
         core.checker = checker
         return core
 
-    def config(self, *, other_nnodes: bool = False) -> RoundConfig:
+    def other_nnodes(self) -> tuple[int, int]:
         lo, hi = self.nnodes
-        if other_nnodes:
-            lo, hi = lo + 1, hi + 1
+        return (lo + 1, hi + 1) if self.nnodes == self.first_nnodes else self.first_nnodes
+
+    def config(self, *, other_nnodes: bool = False) -> RoundConfig:
+        lo, hi = self.other_nnodes() if other_nnodes else self.nnodes
         rng = self.rng
         return RoundConfig(lo, hi, rng.choice(LAST_CALLS), rng.choice(JOIN_TIMEOUTS), rng.choice(REJOIN_TIMEOUTS))
 
@@ -405,10 +407,23 @@ class World:
         elif roll < 0.52:
             agent = self.pick(member=None)
             run = self.run_of()
-            if agent.alive and agent.inc and run is not None and run.rendezvous.config is not None and rng.random() < 0.5:
-                want = InvalidRequestError if run.is_live(agent.name, agent.inc) else FencedError  # fenced first
+            alone = run is not None and not any(m.live for name, m in run.members.items() if name != agent.name)
+            if (agent.alive and agent.inc and run is not None and run.rendezvous.config is not None and rng.random() < 0.5
+                    and not (alone and agent.call is not None)):  # a node of a job started again has no old call in flight
+                # fenced first; a new --nnodes is taken from a node with no other live (a job started again)
+                want = (FencedError if not run.is_live(agent.name, agent.inc) else RoundResult if alone
+                        else InvalidRequestError)
+                other = self.other_nnodes()
                 results = await self.poll(agent, agent.inc, self.config(other_nnodes=True))
                 assert isinstance(results[0], want), f"{self.where()}: other --nnodes got {results[0]!r}"
+                if want is RoundResult:
+                    self.nnodes = other
+                    self.log.append(("nnodes", other))
+                    for i, result in enumerate(results):
+                        cfg = self.run_of(i).rendezvous.config
+                        assert (cfg.min_nodes, cfg.max_nodes) == other, self.checkers[i].fail("--nnodes not taken")
+                        self.checkers[i].answer(self.run_of(i), agent.name, agent.inc, agent.after, result, poll=True)
+                    self.learn(agent, agent.inc, results[0])
             elif agent.old:
                 stale = rng.choice(agent.old)
                 results = await self.poll(agent, stale, self.config())
