@@ -22,7 +22,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default="127.0.0.1:50051", metavar="HOST:PORT", help="coordinator address (default: %(default)s)")
     p.add_argument("--token-file", help="file holding the shared token (default: $ELASTICRL_TOKEN_FILE; without either, "
                    "the token itself from $ELASTICRL_TOKEN, if set)")
-    p.add_argument("--tls-ca", help="PEM CA bundle to verify a TLS coordinator")
+    p.add_argument("--tls-ca", default=os.environ.get("ELASTICRL_TLS_CA") or None,
+                   help="PEM CA bundle to verify a TLS coordinator (default: $ELASTICRL_TLS_CA, as the workers read it)")
     p.add_argument("--timeout", type=seconds_arg, default=10.0, metavar="S", help="per-call deadline, seconds (default: %(default)s)")
 
 

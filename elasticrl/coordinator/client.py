@@ -55,8 +55,7 @@ def resolve_token(token: str | None = None, token_file: str | None = None) -> st
     if token:
         return token
     if token_file:
-        with open(token_file) as f:
-            return f.read().strip() or None
+        return wire.read_token_file(token_file) or None
     return os.environ.get(TOKEN_ENV) or None
 
 

@@ -364,14 +364,21 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
 
 class MetricsEndpoint:
     """``GET /metrics`` (the registry, by ``prometheus_client.make_wsgi_app``) and ``GET /healthz``
-    ("ok") on one port, served from a daemon thread. ``start`` binds (OSError names the address and
-    the fix), ``stop`` closes the socket and waits for the serving thread."""
+    on one port, served from a daemon thread. ``start`` binds (OSError names the address and the
+    fix), ``stop`` closes the socket and waits for the serving thread.
+
+    ``/healthz`` answers 200 "ok", or 503 with the reason ``unhealthy()`` gives (called on the
+    endpoint's thread; None means healthy): the server's says "starting" until gRPC serves and
+    "stalled" when its event loop has not ticked for a while, so a liveness probe on it restarts a
+    hung coordinator, not only a dead one."""
 
     READ_TIMEOUT_S = 5.0
     POLL_S = 0.1  # how often the serving thread checks for stop
 
-    def __init__(self, registry: prometheus_client.CollectorRegistry, host: str, port: int):
+    def __init__(self, registry: prometheus_client.CollectorRegistry, host: str, port: int, *,
+                 unhealthy: Callable[[], str | None] = lambda: None):
         self.registry = registry
+        self.unhealthy = unhealthy
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -419,6 +426,9 @@ class MetricsEndpoint:
         if method != "GET":
             return _reply(start_response, "405 Method Not Allowed", b"only GET is allowed\n", [("Allow", "GET")])
         if path == "/healthz":
+            why = self.unhealthy()
+            if why is not None:
+                return _reply(start_response, "503 Service Unavailable", f"unhealthy: {why}\n".encode())
             return _reply(start_response, "200 OK", b"ok\n")
         try:
             return self._metrics_app(environ, start_response)  # builds the body before start_response

@@ -24,12 +24,13 @@ import logging
 import os
 import pathlib
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from elasticrl.coordinator import policy, validate
+from elasticrl.coordinator import policy, validate, wire
 from elasticrl.coordinator.core import DEFAULT_STREAM_GRACE_S, CoordinatorCore, Limits
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
 from elasticrl.coordinator.persist import StateDB
@@ -49,6 +50,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_LEASE_TTL_S = validate.MAX_LEASE_TTL_MS / 1000
 TRAJECTORY_DIR = "trajectories"
 STATE_FILE = "coordinator.sqlite"
+# GET /healthz fails once the event loop has not ticked for this long: a loop that busy answers
+# nobody (a tick runs every --tick; a join storm of thousands delays it by a second or two).
+HEALTH_STALL_S = 15.0
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -160,11 +164,11 @@ class CoordinatorConfig:
         if self.token_file is None:
             return None
         try:
-            token = pathlib.Path(self.token_file).read_text().strip()
+            token = wire.read_token_file(self.token_file)
         except OSError as exc:
             raise ValueError(f"token_file: cannot read {self.token_file!r}: {exc.strerror}") from None
         if not token:
-            raise ValueError(f"token_file: {self.token_file} is empty")
+            raise ValueError(f"token_file: {self.token_file} has no token on its first line")
         return token
 
 
@@ -307,7 +311,7 @@ class CoordinatorServer:
             self.scheduler, weights=self.weights, max_message_bytes=config.max_message_bytes), self.server)
         if config.metrics_port is not None:
             self.metrics_endpoint = MetricsEndpoint(
-                self.metrics.registry, config.metrics_host or config.host, config.metrics_port
+                self.metrics.registry, config.metrics_host or config.host, config.metrics_port, unhealthy=self.unhealthy
             )
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -323,11 +327,25 @@ class CoordinatorServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}: the port is in use or the host is not an address of this machine")
         self._tick_task: asyncio.Task | None = None
+        self._ticked: float | None = None  # time.monotonic() of the last tick; None until gRPC serves
         self._stopped = asyncio.Event()
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    def unhealthy(self) -> str | None:
+        """Why ``/healthz`` should fail, None if it should not (any thread): not serving yet, stopping,
+        or an event loop that has not ticked for ``HEALTH_STALL_S``."""
+        ticked = self._ticked
+        if self._stopped.is_set():
+            return "stopping"
+        if ticked is None:
+            return "starting"
+        silent = time.monotonic() - ticked
+        if silent > HEALTH_STALL_S:
+            return f"stalled: the event loop has not ticked for {silent:.0f}s (tick every {self.config.tick_s:g}s)"
+        return None
 
     async def start(self) -> None:
         if self.metrics_endpoint is not None:  # first: a port clash fails before gRPC serves
@@ -366,6 +384,7 @@ class CoordinatorServer:
                 (log.warning if credit >= 1.0 else log.debug)(
                     "the coordinator was too busy to read for %.2fs (its tick ran late); every live lease is extended by "
                     "that much, so no member is evicted for keep-alives still waiting in its queues", credit)
+            self._ticked = time.monotonic()
             try:
                 self.core.tick(stalled_s=credit)
                 self.scheduler.tick()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import asyncio
+import os
 import socket
 import time
 import types
@@ -91,6 +92,14 @@ class ReopenBudget:
             return None
         self._failures += 1
         return min(retry_wait()(types.SimpleNamespace(attempt_number=self._failures)), left)
+
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """The shared token in a token file: its first line, stripped ("" if there is none). The
+    coordinator, the agents, the workers and the CLI all read it so (a file may end in a comment
+    or a second token for a later rotation). Raises OSError."""
+    with open(path, encoding="utf-8") as f:
+        return f.readline().strip()
 
 
 async def stream_requests(outbox: asyncio.Queue):

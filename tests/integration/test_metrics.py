@@ -301,3 +301,42 @@ def test_a_membership_arrives_over_its_session_stream_not_in_unary_calls(coordin
         assert value(samples, "elasticrl_rpcs_received_total", service="elasticrl.v1.Coordinator", method="Session") == 3
         for m in members:
             m.leave()
+
+
+@pytest.mark.timeout(60)
+def test_healthz_fails_while_the_coordinator_starts_stalls_or_stops(monkeypatch):
+    # Found by an operator: /healthz answered "ok" from its own thread whatever the event loop did,
+    # so a liveness probe on it (what TLS needs on Kubernetes) never restarted a hung coordinator.
+    import asyncio
+    import threading
+
+    from elasticrl.coordinator import server as server_module
+    from elasticrl.coordinator.server import CoordinatorConfig, CoordinatorServer
+
+    monkeypatch.setattr(server_module, "HEALTH_STALL_S", 0.5)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(20)
+
+    async def make():
+        return CoordinatorServer(CoordinatorConfig(port=0, metrics_port=0))
+
+    server = on_loop(make())
+    try:
+        assert server.unhealthy() == "starting"  # before gRPC serves: not ready
+        on_loop(server.start())
+        port = server.metrics_endpoint.port
+        assert get(port, "/healthz")[::2] == (200, "ok\n")
+        loop.call_soon_threadsafe(time.sleep, 1.5)  # a hung loop: no tick, no gRPC answer
+        time.sleep(1.0)
+        status, _, body = get(port, "/healthz")
+        assert status == 503 and body.startswith("unhealthy: stalled: the event loop has not ticked for"), (status, body)
+        wait_until(lambda: get(port, "/healthz")[0] == 200, timeout_s=10)  # it ticks again
+    finally:
+        on_loop(server.stop(0.2))
+        assert server.unhealthy() == "stopping"
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

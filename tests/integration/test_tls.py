@@ -72,13 +72,15 @@ def test_every_client_surface_over_tls_with_a_token(coordinator_factory, pki):
     )
     assert status.returncode == 0, status.stderr
     assert {r["snapshot"]["run_id"] for r in json.loads(status.stdout)["runs"]} >= {"r.workers"}
-    # The token file the workers read ($ELASTICRL_TOKEN_FILE, set by the torchrun plugin) serves the CLI too.
+    # The token file and CA the workers read ($ELASTICRL_TOKEN_FILE, $ELASTICRL_TLS_CA, set by the
+    # torchrun plugin) serve the CLI too: the deploy scripts' wait loops run `status` bare.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRL_")}
     (pki / "wrong").write_text("not-the-token\n")
     for token_file, rc in ((pki / "token", 0), (pki / "wrong", 1)):
         status = subprocess.run(
-            [sys.executable, "-m", "elasticrl.cli", "status", "--coordinator", coord.address, "--tls-ca", ca, "--json"],
-            cwd=REPO, capture_output=True, text=True, timeout=60, env={**env, "ELASTICRL_TOKEN_FILE": str(token_file)},
+            [sys.executable, "-m", "elasticrl.cli", "status", "--coordinator", coord.address, "--json"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+            env={**env, "ELASTICRL_TOKEN_FILE": str(token_file), "ELASTICRL_TLS_CA": ca},
         )
         assert status.returncode == rc and "Traceback" not in status.stderr, status.stderr
     assert "refused the call" in status.stderr and "$ELASTICRL_TOKEN_FILE" in status.stderr, status.stderr
