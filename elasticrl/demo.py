@@ -501,8 +501,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
         args.restart_workers = True  # elsewhere a lost node would spend one of torchrun's --max-restarts
     try:  # the rows, the reward functions and the env too: a bad file or row must stop us here
         from elasticrl.rl.rewards import RewardError, reward_function
-        from elasticrl.rl.workload import episode_env, row_source, toy_task
+        from elasticrl.rl.workload import check_model, episode_env, row_source, toy_task
 
+        check_model(config)
         reward = reward_function(config.algorithm.rewards, config.algorithm.reward_weights, toy_task(config))
         row_source(config, reward)
         episode_env(config, reward)

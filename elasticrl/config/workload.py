@@ -46,7 +46,8 @@ class TaskConfig:
     group_size: int = 8
     """Samples (episodes) per row: one GRPO group; advantages are normalized within a group."""
     eval_prompts: int = 32
-    """Held-out rows rolled out every run.eval_interval iterations (split "eval")."""
+    """Held-out rows rolled out every run.eval_interval iterations (split "eval"); all of them when
+    the held-out set (task.eval_path or task.eval_fraction) has fewer."""
 
     def __post_init__(self) -> None:
         from elasticrl.rl.tasks import TASKS  # pure Python, cheap

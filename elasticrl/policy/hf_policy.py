@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from elasticrl.rollout.hf_dir import TOKENIZER_FILES, check_model_dir, eos_token_ids, has_tokenizer
+from elasticrl.rollout.hf_dir import TOKENIZER_FILES, check_model_dir, eos_token_ids, has_tokenizer, weights_problem
 
 if TYPE_CHECKING:
     import torch
@@ -73,17 +73,10 @@ def hf_token_logprobs(model: Any, tokens: torch.Tensor, valid: torch.Tensor, *, 
 
 
 def _check_weights(path: pathlib.Path) -> None:
-    if any(path.glob("*.safetensors")):
-        return
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise FileNotFoundError(
-            f"{str(path)!r} has only pickle weights (.bin/.pt); elasticrl loads safetensors only. Convert once with "
-            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
-        )
-    raise FileNotFoundError(
-        f"{str(path)!r} has a config.json but no weights (*.safetensors); pass a directory written by "
-        "save_pretrained() or export_hf()"
-    )
+    problem = weights_problem(path)
+    if problem is not None:
+        raise FileNotFoundError(f"{str(path)!r} has a config.json but {problem}; pass a directory written by "
+                                "save_pretrained() or export_hf()")
 
 
 def load_hf_model(path: str | os.PathLike[str], *, dtype: str = "float32", device: str = "cpu") -> Any:

@@ -28,6 +28,7 @@ from elasticrl.env import EnvLoadError, EnvSpec, load_env
 from elasticrl.env.prompt import PromptEnv
 from elasticrl.rl.rewards import RewardFunction
 from elasticrl.rl.tasks import Task, make_task
+from elasticrl.rollout.hf_dir import check_model_files, has_chat_template, model_positions
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,28 @@ def episode_env(cfg: NodeConfig, reward: RewardFunction | None) -> tuple[EnvSpec
     t = cfg.task
     factory = functools.partial(PromptEnv, score=reward.score, prompt_key=t.prompt_key, messages_key=t.messages_key)
     return EnvSpec(name="prompt", factory=factory), None
+
+
+def check_model(cfg: NodeConfig) -> None:
+    """``model.kind = hf``: the directory holds what a run loads (config.json, safetensors weights,
+    a tokenizer) and, with ``task.chat_template``, a chat template. File checks, no import, so the
+    launcher runs them before anything starts and a node before it loads the model; ConfigError
+    names the key. A ``rollout.max_new_tokens`` past the model's positions is warned about: every
+    completion would be cut at the context."""
+    if cfg.model.kind != "hf":
+        return
+    try:
+        path = check_model_files(cfg.model.path)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"model.path: {exc}") from None
+    if cfg.task.chat_template and not has_chat_template(path):
+        raise ConfigError(
+            f"task.chat_template = true: the tokenizer in model.path = {cfg.model.path!r} has no chat template (neither "
+            "tokenizer_config.json nor a chat_template.jinja has one); use a chat/instruct checkpoint or set it to false")
+    positions = model_positions(path)
+    if positions and cfg.rollout.max_new_tokens >= positions:
+        log.warning("rollout.max_new_tokens = %d, and the model in %s has %d positions: every completion is cut at the "
+                    "context (the prompt's tokens included)", cfg.rollout.max_new_tokens, cfg.model.path, positions)
 
 
 def max_new_tokens(cfg: NodeConfig, task: Task | None) -> int:

@@ -362,7 +362,7 @@ class EpisodeRunner:
             if len(tokens) >= self.max_context:  # no room for one action: it would train on nothing
                 raise EnvError(
                     f"env {env_label(env)}.reset(): the first observation renders to {len(tokens)} tokens, and the "
-                    f"context holds {self.max_context} (the smaller of rollout max_context and the engine's); "
+                    f"context holds {self.max_context} (env.max_context_tokens, or the model's if 0 or smaller); "
                     "leave room for an action: a shorter prompt or a longer context")
             mask, logprobs = [0] * len(tokens), [0.0] * len(tokens)
             prompt, transcript, rewards = self.renderer.as_text(obs), [], []

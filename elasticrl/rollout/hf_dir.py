@@ -24,6 +24,56 @@ def check_model_dir(model_dir: str | os.PathLike[str]) -> pathlib.Path:
     return path
 
 
+def weights_problem(path: pathlib.Path) -> str | None:
+    """What is wrong with the directory's weights, None if it has safetensors ones."""
+    if any(path.glob("*.safetensors")):
+        return None
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        return ("only pickle weights (.bin/.pt), and elasticrl loads safetensors only: convert once with "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+    return "no weights (*.safetensors)"
+
+
+def check_model_files(model_dir: str | os.PathLike[str]) -> pathlib.Path:
+    """The directory as a Path; raises FileNotFoundError naming everything a run needs there and
+    does not find: config.json, safetensors weights, a tokenizer. File checks only (no import)."""
+    path = pathlib.Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is not a directory (looked at {path.absolute()})")
+    missing = [] if (path / "config.json").is_file() else ["no config.json"]
+    missing += [p for p in (weights_problem(path),) if p is not None]
+    if not has_tokenizer(path):
+        missing.append(f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete Hugging Face model directory: {'; '.join(missing)}. Pass a directory "
+            "written by model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or by checkpoint.export_hf"
+        )
+    return path
+
+
+def has_chat_template(path: pathlib.Path) -> bool:
+    """True if the directory's tokenizer has a chat template: in tokenizer_config.json, or in the
+    chat_template.jinja / chat_template.json that newer transformers save beside it."""
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    config = path / "tokenizer_config.json"
+    try:
+        return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False  # loading the tokenizer will say what is wrong with the file
+
+
+def model_positions(path: pathlib.Path) -> int:
+    """The model's context in tokens from ``config.json`` (``max_position_embeddings``, or GPT-2's
+    ``n_positions``); 0 if it names none or cannot be read."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
 def has_tokenizer(path: pathlib.Path) -> bool:
     """True if the directory holds tokenizer files (then loading them must succeed)."""
     return any((path / name).is_file() for name in TOKENIZER_FILES)

@@ -104,7 +104,7 @@ class ChatRenderer:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "task.chat_template = true: the model's tokenizer has no chat template "
-                "(tokenizer_config.json has no 'chat_template'); use a chat/instruct checkpoint or set it to false"
+                "(neither tokenizer_config.json nor a chat_template.jinja has one); use a chat/instruct checkpoint or set it to false"
             )
         if not turn_end_ids:
             raise ValueError("ChatRenderer: turn_end_ids is empty; the model needs an EOS / end-of-turn token")

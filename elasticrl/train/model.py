@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from elasticrl.config import ConfigError, NodeConfig
+from elasticrl.rl.workload import check_model
 
 
 @dataclasses.dataclass
@@ -56,12 +57,7 @@ def build_policy(cfg: NodeConfig) -> PolicyParts:
         logprobs = token_logprobs
     else:
         from elasticrl.policy.hf_policy import HFCodec, hf_token_logprobs, load_hf_model
-        from elasticrl.rollout.hf_dir import check_model_dir
-
-        try:
-            check_model_dir(cfg.model.path)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"model.path: {exc}") from None
+        check_model(cfg)
         codec = HFCodec.from_dir(cfg.model.path)
         model = load_hf_model(cfg.model.path, dtype=cfg.model.dtype, device="cpu")
         logprobs = hf_token_logprobs

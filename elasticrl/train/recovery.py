@@ -216,8 +216,9 @@ class Recovery:
 
     def _check_model(self, meta: dict, what: str, fix: str) -> None:
         saved, wanted = meta.get("config", {}).get("model"), to_dict(self.cfg)["model"]
-        if saved is not None and saved != wanted:
-            raise ConfigError(f"{what} has model {saved}, the config asks for {wanted}; use the same [model] or {fix}")
+        if saved is not None and model_identity(saved) != model_identity(wanted):
+            raise ConfigError(f"{what} has model {model_identity(saved)}, the config asks for {model_identity(wanted)}; "
+                              f"use the same [model] or {fix}")
 
     # -- every iteration -----------------------------------------------------------------------------
 
@@ -278,3 +279,12 @@ class Recovery:
                 log.warning("could not write the last snapshot: %s", exc)
         self._forget_flush()
 
+
+TINY_ONLY = ("d_model", "n_layers", "n_heads", "max_seq_len")
+
+
+def model_identity(model: dict) -> dict:
+    """What of a ``[model]`` table a saved state must match: not ``path`` (a node's own, and a
+    directory may move; a model of another shape fails the load by itself), nor the tiny policy's
+    sizes under ``kind = hf``."""
+    return {k: v for k, v in model.items() if k != "path" and not (model.get("kind") == "hf" and k in TINY_ONLY)}

@@ -47,6 +47,10 @@ def test_an_hf_checkpoint_trains_with_the_hf_engine_and_exports(tmp_path, tiny_l
     assert all(torch.equal(state[k], v) for k, v in final.items())
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True).state_dict()
     assert any(not torch.equal(base[k], v) for k, v in final.items()), "training did not change the weights"
+    # Found by a user: the same model directory written another way refused the checkpoint.
+    again = run_demo(out, "--nodes", "1", "--iterations", "4", "--", "--model.kind=hf", f"--model.path={tiny_llama}/.",
+                     "--trainer.warmup_steps=2", "--trainer.lr=1e-2")
+    assert again.returncode == 0 and "resumed from iteration 3 (checkpoint" in again.stdout, again.stdout
 
 
 def test_kl_rloo_sequence_loss_and_a_users_reward_file(tmp_path):

@@ -188,3 +188,12 @@ def test_the_settings_every_node_must_share_leave_out_the_per_node_ones():
     # (or a majority) by drawing a lower rank.
     assert reference(["b", "a"], known="a") == 1 and reference(["b", "b", "a"], known="a") == 2
     assert reference(["b", "b"], known="a") == 0  # every rank started again with new settings
+
+
+def test_the_launcher_refuses_an_incomplete_hf_model_directory_before_anything_starts(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    done = _cli("-m", "elasticrl.cli", "run", "elasticrl/configs/demo.toml", "--nodes", "1", "--out", str(tmp_path / "run"),
+                "--", "--model.kind=hf", f"--model.path={tmp_path}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "model.path: " in done.stderr and "no weights (*.safetensors); no tokenizer" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()  # no coordinator, no node, no run directory

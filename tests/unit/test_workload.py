@@ -256,3 +256,35 @@ def test_the_three_argument_form_keeps_working_whatever_its_third_name():
         exact.check_fields(["prompt", "answer"], "data.jsonl")
     combined = combine_rewards(["exact_match", "format"], [1.0, 0.5])
     assert combined.score("p", "12", {"target": "12"}) == 1.5 and combined.required == ("target",)
+
+
+def test_an_incomplete_hf_model_directory_is_refused_at_start_naming_all_it_lacks(tmp_path, caplog):
+    # Found by a user: a directory without a tokenizer or weights failed in the worker after torchrun
+    # had started, four times over (a FileNotFoundError is retried), without naming model.path.
+    from elasticrl.rl.workload import check_model
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+
+    def check(*overrides):
+        check_model(config("--model.kind=hf", f"--model.path={model}", *overrides))
+
+    with pytest.raises(ConfigError, match=r"model.path: .* is not a directory"):
+        check_model(config("--model.kind=hf", f"--model.path={tmp_path / 'missing'}"))
+    with pytest.raises(ConfigError, match=r"model.path: .*: no weights \(\*.safetensors\); no tokenizer \(none of"):
+        check()
+    (model / "pytorch_model.bin").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"only pickle weights") as refused:
+        check()
+    assert "tokenizer" not in str(refused.value).split("Pass a directory")[0]
+    (model / "model.safetensors").write_bytes(b"")
+    check()  # complete
+    with pytest.raises(ConfigError, match=r"task.chat_template = true: the tokenizer in model.path = .* has no chat template"):
+        check("--task.chat_template=true")
+    (model / "chat_template.jinja").write_text("{{ messages }}")  # where transformers 5 saves it
+    check("--task.chat_template=true")
+    with caplog.at_level("WARNING"):
+        check("--rollout.max_new_tokens=200")
+    assert "rollout.max_new_tokens = 200, and the model in" in caplog.text and "has 64 positions" in caplog.text
