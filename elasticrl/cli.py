@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import sys
-import threading
 
 from elasticrl import __version__
 from elasticrl.config.base import check_address, seconds_arg
@@ -122,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Unreachable, the client keeps trying for --timeout (a coordinator restarting is back in seconds):
     # say so, rather than sit silent for 10 s.
-    note = threading.Timer(WAIT_NOTE_S, lambda: print(
+    from elasticrl.repeats import still_waiting
+
+    note = still_waiting(WAIT_NOTE_S, lambda: print(
         f"elasticrl {args.command}: waiting for the coordinator at {args.coordinator} (gives up after --timeout "
         f"{args.timeout:g}s)", file=sys.stderr, flush=True))
-    note.daemon = True
-    note.start()
     try:
-        with client:
+        with note, client:
             if args.command == "status":
                 data = client.status(args.run, include_departed=args.all)
                 for run in data.get("runs") or []:  # the scheduler's newest iteration, if any
@@ -145,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     except ElasticRLError as exc:
         print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
         return 1
-    finally:
-        note.cancel()
     return 0
 
 

@@ -5,13 +5,18 @@ keep-alive until it is back. Either would write a line per attempt. ``Repeats`` 
 each cause through, then at most one a window per cause, and says how many were left out and for
 how long the cause has lasted; ``ok(cause)`` ends a cause, so the next failure is new and written
 at once. Any thread.
+
+The other way round, a call that retries quietly (a client waiting for an unreachable
+coordinator) says nothing for as long as it is allowed to wait: ``still_waiting`` writes one line
+if it outlasts a few seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -58,3 +63,15 @@ class Repeats:
         """The cause is over (the coordinator answered): its next failure is written at once."""
         with self._lock:
             self._causes.pop(cause, None)
+
+
+@contextlib.contextmanager
+def still_waiting(after_s: float, say: Callable[[], None]) -> Iterator[None]:
+    """Call ``say`` (once, from a timer thread) if the block has not ended within ``after_s``."""
+    timer = threading.Timer(after_s, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

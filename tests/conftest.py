@@ -7,12 +7,19 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.02, message: str = "condition"):

@@ -45,6 +45,7 @@ from elasticrl.errors import (
     RunClosedError,
 )
 from elasticrl.owned_dirs import OwnedDir
+from elasticrl.repeats import still_waiting
 from elasticrl.rendezvous.config import BACKEND, RendezvousConfig
 from elasticrl.rendezvous.store import CoordinatorStore
 from elasticrl.rendezvous.worker import LEASE_TTL_ENV, ROUND_ENV, STOP_FILE_ENV, armed_key, take_stop_request
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 ROUND_WAIT_CHUNK_S = 5.0
 # A node still waiting for its round after this long says so (what it waits for), and again as often.
 WAIT_NOTE_S = 30.0
+# An agent whose first join has not been answered this long says whom it waits for (a wrong
+# --rdzv-endpoint, or a coordinator not up yet, is otherwise silent for connect_timeout).
+CONNECT_NOTE_S = 5.0
 # torchrun's exit barrier in the agents' store (torch.distributed.elastic.agent.server.api).
 EXIT_BARRIER = "torchelastic/agent/terminal_state"
 # How often a non-zero rank re-checks, while waiting for rank 0's MASTER_ADDR, that rank 0 lives.
@@ -226,14 +230,18 @@ class ElasticRLRendezvousHandler(RendezvousHandler):
                 )
                 m.stop()
                 self._membership = None
-            m = Membership(
-                self._client,
-                self.config.run_id,
-                self.config.node_id,
-                lease_ttl_s=self.config.lease_ttl_s,
-                capabilities={"role": "torchrun-agent", "local_addr": self.config.local_addr or ""},
-                relay="",  # the agent streams on its own: its relay is for its workers
-            )
+            cfg = self.config
+            with still_waiting(CONNECT_NOTE_S, lambda: log.warning(
+                    "run %s: waiting for the coordinator at %s (this node gives up after connect_timeout=%gs; check "
+                    "--rdzv-endpoint and that the coordinator is up)", cfg.run_id, cfg.endpoint, cfg.connect_timeout_s)):
+                m = Membership(
+                    self._client,
+                    cfg.run_id,
+                    cfg.node_id,
+                    lease_ttl_s=cfg.lease_ttl_s,
+                    capabilities={"role": "torchrun-agent", "local_addr": cfg.local_addr or ""},
+                    relay="",  # the agent streams on its own: its relay is for its workers
+                )
             self._membership = m
             if self._views is None:
                 self._views = RunViewCache(self._client, self.config.run_id, self._stand_in if self.config.in_place else None)

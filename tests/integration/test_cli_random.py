@@ -43,7 +43,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -51,7 +50,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, CoordinatorProcess
+from tests.conftest import CoordinatorProcess, REPO, free_port
 
 pytestmark = [pytest.mark.integration]
 
@@ -94,12 +93,6 @@ def assert_clean_failure(out: subprocess.CompletedProcess, needles, rc: int | No
         assert out.returncode == rc, describe(out)
     assert "Traceback" not in out.stderr, describe(out)
     assert any(n in out.stderr for n in needles), f"expected one of {needles!r} in stderr; {describe(out)}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join(address: str, run_id: str, member_id: str) -> None:

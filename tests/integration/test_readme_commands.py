@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -37,12 +37,6 @@ def edit(line: str, edits: list[tuple[str, str]]) -> str:
         assert old in line, f"the README's command no longer contains {old!r} (edit it here too): {line}"
         line = line.replace(old, new)
     return line
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def installed(command: list[str]) -> list[str]:

@@ -25,7 +25,7 @@ import elasticrl.rendezvous as rdzv  # noqa: E402
 from elasticrl.coordinator import policy  # noqa: E402
 from elasticrl.coordinator.client import CoordinatorClient  # noqa: E402
 from elasticrl.rendezvous.handler import ElasticRLRendezvousHandler  # noqa: E402
-from tests.conftest import REPO, wait_until  # noqa: E402
+from tests.conftest import REPO, free_port, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.waits]
 TTL_S = 1.0
@@ -346,3 +346,21 @@ def test_rank0_gone_before_publishing_its_store_address_forms_a_new_round(handle
     assert time.monotonic() - t0 < 5.0
     assert b.round == c.round == 2
     assert sorted(i.rank for i in infos) == [0, 1]
+
+
+def test_an_agent_waiting_for_an_unreachable_coordinator_says_whom_it_waits_for(caplog, monkeypatch):
+    # Found by an operator: a wrong --rdzv-endpoint was silent for connect_timeout (30 s).
+    import elasticrl.rendezvous.handler as handler_module
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    monkeypatch.setattr(handler_module, "CONNECT_NOTE_S", 0.5)
+    address = f"127.0.0.1:{free_port()}"
+    h = rdzv.create_handler(make_params(address, "n0", connect_timeout=2, session_relay="false"))
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(RendezvousConnectionError):
+            h.next_rendezvous()
+    finally:
+        h.shutdown()
+    notes = [r.getMessage() for r in caplog.records if "waiting for the coordinator" in r.getMessage()]
+    assert notes == [f"run rdzv: waiting for the coordinator at {address} (this node gives up after connect_timeout=2s; "
+                     "check --rdzv-endpoint and that the coordinator is up)"], caplog.text
