@@ -19,7 +19,9 @@ import shutil
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from elasticrl.rollout.hf_dir import TOKENIZER_FILES, check_model_dir, eos_token_ids, has_tokenizer, weights_problem
+from elasticrl.rollout.hf_dir import (
+    TOKENIZER_FILES, check_model_dir, eos_token_ids, has_tokenizer, tied_embeddings, weights_problem,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -216,8 +218,7 @@ def _export_tensors(
     if cast == "auto":
         raise ValueError("export_hf: dtype 'auto' is not allowed; pass float32, bfloat16, float16 or None (keep)")
     shapes = _base_shapes(base)
-    config = json.loads((base / "config.json").read_text())
-    tied = bool(config.get("tie_word_embeddings", True))
+    tied = tied_embeddings(base)
 
     # Tied weights (input and output embeddings) share one storage; safetensors refuses aliases,
     # and from_pretrained re-ties them from the config. Keep the name the base checkpoint uses.

@@ -74,6 +74,12 @@ def model_positions(path: pathlib.Path) -> int:
         return 0
 
 
+def tied_embeddings(path: pathlib.Path) -> bool:
+    """Whether the model's output head is its input embedding (``config.json``'s
+    ``tie_word_embeddings``, True when absent, as transformers takes it)."""
+    return bool(json.loads((path / "config.json").read_text()).get("tie_word_embeddings", True))
+
+
 def has_tokenizer(path: pathlib.Path) -> bool:
     """True if the directory holds tokenizer files (then loading them must succeed)."""
     return any((path / name).is_file() for name in TOKENIZER_FILES)

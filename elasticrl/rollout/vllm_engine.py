@@ -5,7 +5,7 @@ RAM and drops the KV cache; level 2 drops both) -> training -> ``update_weights`
 weight memory, load the new tensors in place on every worker, then wake the KV cache) ->
 ``generate``. The engine is never rebuilt between iterations.
 
-vLLM APIs relied on (read in vLLM's source and docs, v0.10-v0.2x):
+vLLM APIs relied on (read in vLLM's source and docs, v0.10-v0.2x, and checked against v0.33's):
 
 * ``LLM(model=..., enable_sleep_mode=True, worker_extension_cls=..., logprobs_mode=...)``;
   ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes returned logprobs come from the
@@ -37,10 +37,25 @@ correct but ships the model tp times; large TP deployments want the NCCL broadca
 ``examples/offline_inference/rlhf.py`` (a ``StatelessProcessGroup`` + ``PyNcclCommunicator``
 between trainer rank 0 and the workers) or CUDA IPC handles (``rlhf_colocate.py``), not
 implemented here.
+
+Also from v0.33's source:
+
+* tied embeddings: ``AutoWeightsLoader`` refuses ``lm_head.weight`` of a tied model unless the same
+  ``load_weights`` call also carries ``model.embed_tokens.weight`` (``_check_skipped_aliases``);
+  older versions skipped it silently. The head is the embedding there, so it is never sent.
+* the GPU: the engine core is a process of its own and does not inherit the trainer's
+  ``torch.cuda.set_device``; with nothing said every rank's engine lands on GPU 0.
+  ``EngineArgs.device_ids`` (indices into ``CUDA_VISIBLE_DEVICES``) places it where vLLM has it;
+  older ones are given the GPU through ``CUDA_VISIBLE_DEVICES`` while the engine core process
+  starts (the default multiprocess mode).
+* dtype: ``load_weights`` casts a float32 tensor into a bf16 parameter with a warning per tensor
+  per update, so tensors are cast to the engine's dtype before they are sent (half the bytes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import hashlib
 import inspect
@@ -63,7 +78,7 @@ from elasticrl.rollout.engine import (
     SamplingSpec,
     WeightUpdateError,
 )
-from elasticrl.rollout.hf_dir import check_model_dir, eos_token_ids, has_tokenizer
+from elasticrl.rollout.hf_dir import check_model_dir, eos_token_ids, has_tokenizer, tied_embeddings
 from elasticrl.rollout.vllm_worker import WORKER_EXTENSION, WireTensor, to_wire
 
 logger = logging.getLogger(__name__)
@@ -71,14 +86,22 @@ logger = logging.getLogger(__name__)
 _VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
 
-def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[WireTensor]]:
+TIED_HEAD = "lm_head.weight"
+
+
+def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int, *, dtype: torch.dtype | None = None,
+            skip: frozenset[str] = frozenset()) -> Iterator[list[WireTensor]]:
     """Group (name, tensor) pairs as wire records into lists of about ``max_bytes`` (a bigger
-    tensor goes alone)."""
+    tensor goes alone); floating tensors cast to ``dtype`` if given, names in ``skip`` left out."""
     chunk: list[WireTensor] = []
     size = 0
     for name, tensor in named_tensors:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise WeightUpdateError(f"update_weights takes (name, tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})")
+        if name in skip:
+            continue
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
         record = to_wire(name, tensor)
         if chunk and size + len(record[3]) > max_bytes:
             yield chunk
@@ -87,6 +110,38 @@ def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -
         size += len(record[3])
     if chunk:
         yield chunk
+
+
+def _placement(device: str | torch.device | None, tensor_parallel_size: int, engine_fields: set[str]) -> tuple[dict, dict]:
+    """(``vllm.LLM`` kwargs, environment while it starts) that put the engine on ``device`` (this
+    process's GPU, "cuda:N") and the ``tensor_parallel_size - 1`` after it; nothing if no index."""
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        return {}, {}
+    ids = list(range(index, index + tensor_parallel_size))
+    if "device_ids" in engine_fields:  # indices into CUDA_VISIBLE_DEVICES, as torch's are
+        return {"device_ids": ids}, {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if ids[-1] >= len(physical):
+        raise ValueError(f"device {device} with tensor_parallel_size={tensor_parallel_size} needs GPUs {ids}, and "
+                         f"{len(physical)} are visible")
+    return {}, {"CUDA_VISIBLE_DEVICES": ",".join(physical[i] for i in ids)}
+
+
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` for the block (what a process started in it inherits)."""
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, value in saved.items():
+            if value is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = value
 
 
 def _spread_seed(seed: int) -> int:
@@ -114,6 +169,8 @@ class VLLMEngine:
         logprobs_mode: "processed" or "raw", see ``elasticrl.rollout.engine``.
         policy_version: version of the weights in ``model_dir``.
         weight_chunk_bytes: most bytes sent per ``collective_rpc`` in ``update_weights``.
+        device: this process's GPU ("cuda:N"); the engine takes it and the ``tensor_parallel_size
+            - 1`` after it. None: vLLM's choice (GPU 0 of what is visible).
         llm_kwargs: further ``vllm.LLM`` keyword arguments (override the ones above).
     """
 
@@ -132,6 +189,7 @@ class VLLMEngine:
         logprobs_mode: str = "processed",
         policy_version: int = 0,
         weight_chunk_bytes: int = 256 << 20,
+        device: str | torch.device | None = None,
         llm_kwargs: dict[str, Any] | None = None,
     ):
         try:
@@ -173,6 +231,10 @@ class VLLMEngine:
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        engine_args = getattr(vllm, "EngineArgs", None)
+        fields = {f.name for f in dataclasses.fields(engine_args)} if dataclasses.is_dataclass(engine_args) else set()
+        placed, environment = _placement(device, tensor_parallel_size, fields)
+        kwargs.update(placed)
         kwargs.update(llm_kwargs or {})
         if kwargs.get("quantization"):
             raise ValueError(
@@ -180,7 +242,22 @@ class VLLMEngine:
                 "tensors and skip the quantization post-processing, so quantized vLLM engines are not supported; "
                 "drop the quantization setting"
             )
-        self._llm: Any = vllm.LLM(**kwargs)
+        try:
+            with _environment(environment):
+                self._llm: Any = vllm.LLM(**kwargs)
+        except (ValueError, RuntimeError) as exc:
+            # In-process vLLM raises the memory check's ValueError itself; its separate engine core
+            # process fails with "Engine core initialization failed", the cause logged above it.
+            text = str(exc).lower()
+            if "memory" not in text and "engine core initialization failed" not in text:
+                raise
+            raise EngineUnavailableError(
+                f"vLLM could not start on {device or 'its default GPU'}: {exc}. If the cause is GPU memory (\"less than "
+                f"desired GPU memory utilization\"), lower engine.gpu_memory_utilization={gpu_memory_utilization:g}: it is a "
+                "share of the whole GPU, and the trainer already holds part of it") from exc
+        self._tied_head = frozenset({TIED_HEAD}) if tied_embeddings(path) else frozenset()
+        model_dtype = getattr(getattr(getattr(self._llm, "llm_engine", None), "model_config", None), "dtype", None)
+        self._wire_dtype = model_dtype if isinstance(model_dtype, torch.dtype) else None
         self._sampling_params_cls = vllm.SamplingParams
         self._wake_takes_tags = "tags" in inspect.signature(self._llm.wake_up).parameters
         self._sleep_mode = enable_sleep_mode
@@ -266,7 +343,7 @@ class VLLMEngine:
         self._updates += 1
         update = self._updates  # the workers collect what this call loads under its own number
         try:
-            for chunk in _chunks(named_tensors, self._chunk_bytes):
+            for chunk in _chunks(named_tensors, self._chunk_bytes, dtype=self._wire_dtype, skip=self._tied_head):
                 try:
                     self._llm.collective_rpc("elasticrl_load_weights", args=(chunk, update))
                 except Exception as exc:

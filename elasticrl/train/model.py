@@ -102,7 +102,7 @@ def build_engine(
     engine = make_engine(
         "vllm", model_dir=cfg.model.path, gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
         tensor_parallel_size=cfg.engine.tensor_parallel_size, dtype=cfg.engine.dtype,
-        seed=seed, policy_version=version, enable_sleep_mode=cfg.engine.sleep_during_update,
+        seed=seed, policy_version=version, enable_sleep_mode=cfg.engine.sleep_during_update, device=engine_device,
     )
     return engine, False
 

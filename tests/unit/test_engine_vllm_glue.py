@@ -10,6 +10,7 @@ wake(kv_cache) order of a weight update.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 
@@ -154,7 +155,7 @@ def fake_vllm(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2, "tie_word_embeddings": false}')
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 5]}')
     (tmp_path / "tokenizer.json").write_text("{}")
     return module, tmp_path
@@ -320,3 +321,67 @@ def test_sleep_needs_sleep_mode(fake_vllm):
     eng = make_engine("vllm", model_dir=model_dir, enable_sleep_mode=False)
     with pytest.raises(EngineStateError, match="enable_sleep_mode=False"):
         eng.sleep()
+
+
+def test_a_tied_head_is_not_sent_and_tensors_go_in_the_engines_dtype(fake_vllm):
+    # From vLLM 0.33's source: AutoWeightsLoader refuses lm_head.weight of a tied model loaded
+    # without model.embed_tokens.weight in the same call, and warns per tensor it has to cast.
+    _, model_dir = fake_vllm
+    (model_dir / "config.json").write_text('{"eos_token_id": 2}')  # tie_word_embeddings defaults to true
+
+    class BF16LLM(FakeLLM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16, max_model_len=64))
+            self.worker.model_runner.model.params = {"model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
+
+    fake_vllm[0].LLM = BF16LLM
+    eng = make_engine("vllm", model_dir=model_dir)
+    eng.update_weights([("model.norm.weight", torch.full((4,), 2.0)), ("lm_head.weight", torch.ones(8, 4))], version=1)
+    sent = [c for c in eng.llm.calls if c[0] == "collective_rpc" and c[1] == "elasticrl_load_weights"]
+    assert [c[2] for c in sent] == [["model.norm.weight"]]
+    assert eng.llm.worker.model_runner.model.params["model.norm.weight"].tolist() == [2.0] * 4
+
+
+def test_the_engine_takes_this_processs_gpu(fake_vllm, monkeypatch):
+    # From vLLM 0.33's source: the engine core is a process of its own, so without a device every
+    # rank's engine went to GPU 0.
+    module, model_dir = fake_vllm
+    seen = []
+
+    class RecordingLLM(FakeLLM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    module.LLM = RecordingLLM
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    eng = make_engine("vllm", model_dir=model_dir, device="cuda:1", tensor_parallel_size=2)  # an older vLLM
+    assert "device_ids" not in eng.llm.kwargs and seen == ["5,6"] and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+    @dataclasses.dataclass
+    class EngineArgs:  # vLLM >= 0.33 has device_ids, indices into CUDA_VISIBLE_DEVICES
+        device_ids: list | None = None
+
+    module.EngineArgs = EngineArgs
+    eng = make_engine("vllm", model_dir=model_dir, device="cuda:3")
+    assert eng.llm.kwargs["device_ids"] == [3] and seen[-1] == "4,5,6,7"
+    with pytest.raises(ValueError, match=r"needs GPUs \[3, 4\], and 4 are visible"):
+        del module.EngineArgs
+        make_engine("vllm", model_dir=model_dir, device="cuda:3", tensor_parallel_size=2)
+
+
+def test_a_gpu_memory_refusal_names_the_setting_to_lower(fake_vllm, monkeypatch):
+    module, model_dir = fake_vllm
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+
+    class Refusing(FakeLLM):
+        def __init__(self, **kwargs):
+            raise ValueError("Free memory on device cuda:0 (30.1/79.2 GiB) on startup is less than desired GPU memory "
+                             "utilization (0.5, 39.6 GiB)")
+
+    module.LLM = Refusing
+    from elasticrl.rollout import EngineUnavailableError
+
+    with pytest.raises(EngineUnavailableError, match=r"lower engine.gpu_memory_utilization=0.5: it is a share of the whole GPU"):
+        make_engine("vllm", model_dir=model_dir, device="cuda:0")
