@@ -315,6 +315,21 @@ def run_settings(config: NodeConfig) -> dict[str, Any]:
             for key, value in sorted(values.items()) if f"{section}.{key}" not in PER_NODE_KEYS}
 
 
+# What a rollout-only worker must share with the trainer: what decides how it plays and scores an
+# episode (the task's rows as it renders them, the env, the rewards) and the policy it loads. Not
+# the trainer's own (optimizer, iterations, batch sizes): those the worker never uses.
+ROLLOUT_KEYS = frozenset({
+    "task.kind", "task.name", "task.num_digits", "task.prompt_key", "task.messages_key", "task.chat_template",
+    "env.name", "env.max_turns", "env.max_context_tokens", "algorithm.rewards", "algorithm.reward_weights",
+})
+
+
+def rollout_settings(config: NodeConfig) -> dict[str, Any]:
+    """The settings a rollout-only worker must share with the trainer (``ROLLOUT_KEYS`` and
+    ``[model]``, but for the per-node ones)."""
+    return {k: v for k, v in run_settings(config).items() if k in ROLLOUT_KEYS or k.startswith("model.")}
+
+
 def setting_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 8) -> list[str]:
     """``"trainer.lr = 0.01 here, 0.001 there"`` for each setting that differs (at most ``limit``)."""
     keys = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]

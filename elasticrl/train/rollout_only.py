@@ -32,6 +32,7 @@ from elasticrl.scheduler.weights import unpack_state_dict
 from elasticrl.train.names import rollout_run, workers_run
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.rollout_link import EngineWorker, GateClosed, PolicyVersionTimeout
+from elasticrl.train.same_config import check_rollout_worker
 from elasticrl.weights.transfer import WeightFetcher
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,12 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
             engine.close()
             fetcher.close()
             return 0
+        try:
+            check_rollout_worker(cfg, client)  # the trainer's settings are in the KV once it publishes weights
+        except Exception:
+            engine.close()
+            fetcher.close()
+            raise
         reward = reward_function(cfg.algorithm.rewards, cfg.algorithm.reward_weights, toy_task(cfg))
         runner = build_runner(cfg, parts, engine, lock=lock, reward=reward)
         worker = EngineWorker(

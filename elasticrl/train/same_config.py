@@ -20,7 +20,7 @@ import json
 import logging
 
 from elasticrl.config import ConfigError, NodeConfig
-from elasticrl.config.node import PER_NODE_KEYS, PER_NODE_SECTIONS, run_settings, setting_differences
+from elasticrl.config.node import PER_NODE_KEYS, PER_NODE_SECTIONS, rollout_settings, run_settings, setting_differences
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.train.dist import all_gather_json, broadcast_json
 from elasticrl.train.names import workers_run
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 SETTINGS_KEY = b"elasticrl/settings-digest"
 """The digest of the settings the run's last world agreed on, in the workers' run's KV."""
+ROLLOUT_SETTINGS_KEY = b"elasticrl/rollout-settings"
+"""Those of them a rollout-only worker must share (``config.rollout_settings``, JSON), beside it."""
 
 
 def reference(digests: list[str], known: str | None = None) -> int:
@@ -55,8 +57,8 @@ def check_same_settings(cfg: NodeConfig, rank: int, client: SchedulerClient) -> 
         (raw,) = client.kv_get(run, [SETTINGS_KEY])
         known = raw.decode() if raw else None
     if len(set(digests)) == 1:
-        if rank == 0 and known != digest:
-            client.kv_set(run, {SETTINGS_KEY: digest.encode()})  # a new run, or all of it started again with new settings
+        if rank == 0 and known != digest:  # a new run, or all of it started again with new settings
+            client.kv_set(run, {SETTINGS_KEY: digest.encode(), ROLLOUT_SETTINGS_KEY: _rollout_json(cfg)})
         return
     known = broadcast_json(known, src=0)
     src = reference(digests, known)
@@ -64,7 +66,8 @@ def check_same_settings(cfg: NodeConfig, rank: int, client: SchedulerClient) -> 
     odd = [r for r, d in enumerate(digests) if d != digests[src]]
     shared = len(digests) - len(odd)
     if rank == 0 and known != digests[src]:
-        client.kv_set(run, {SETTINGS_KEY: digests[src].encode()})
+        rollout = {k: theirs[k] for k in rollout_settings(cfg) if k in theirs}
+        client.kv_set(run, {SETTINGS_KEY: digests[src].encode(), ROLLOUT_SETTINGS_KEY: json.dumps(rollout, sort_keys=True).encode()})
     whose = "those it ran with so far" if known == digests[src] else f"{shared} of {len(digests)} ranks'"
     if rank in odd:
         raise ConfigError(
@@ -75,3 +78,24 @@ def check_same_settings(cfg: NodeConfig, rank: int, client: SchedulerClient) -> 
         )
     log.error("rank(s) %s of this world run another config and stop (their nodes log which settings differ); "
               "the others go on without them", ", ".join(map(str, odd)))
+
+
+def _rollout_json(cfg: NodeConfig) -> bytes:
+    return json.dumps(rollout_settings(cfg), sort_keys=True).encode()
+
+
+def check_rollout_worker(cfg: NodeConfig, client: SchedulerClient) -> None:
+    """A rollout-only worker plays and scores episodes for the trainer: ``ConfigError`` naming the
+    settings where its config differs from what the trainer keeps in the KV (``ROLLOUT_SETTINGS_KEY``,
+    written once the trainer's world agreed; nothing to compare against before that, or from an
+    older trainer)."""
+    (raw,) = client.kv_get(workers_run(cfg.run.run_id), [ROLLOUT_SETTINGS_KEY])
+    if raw is None:
+        return
+    theirs, mine = json.loads(raw), rollout_settings(cfg)
+    if mine != theirs:
+        raise ConfigError(
+            f"this rollout worker's config differs from the trainer's of run {cfg.run.run_id!r}: "
+            f"{'; '.join(setting_differences(mine, theirs))}. A rollout worker plays and scores episodes the trainer "
+            "learns from: give it the trainer's [task], [env], [model] and algorithm.rewards"
+        )

@@ -78,6 +78,15 @@ def test_rollout_only_workers_join_and_leave_a_running_run(tmp_path):
         os.killpg(stray.pid, signal.SIGTERM)
         assert stray.wait(timeout=30) == 0, (tmp_path / "stray.log").read_text()
         assert f"(runs there: {run_id}); check --run-id" in (tmp_path / "stray.log").read_text()
+        # Found by a researcher: a worker with another reward was taken, and its rewards trained on.
+        odd = start([sys.executable, "-m", "elasticrl.cli", "rollout", "--coordinator", address, "--config", BUNDLED,
+                     "--run-id", run_id, "--member-id", "odd", f"--run.run_dir={tmp_path / 'odd'}",
+                     "--algorithm.rewards=exact_match", "--task.name=copy", "--trainer.lr=0.5"], tmp_path / "odd.log")
+        workers.append(odd)
+        assert odd.wait(timeout=120) == 2, (tmp_path / "odd.log").read_text()
+        odd_log = (tmp_path / "odd.log").read_text()
+        assert f"this rollout worker's config differs from the trainer's of run {run_id!r}: " in odd_log, odd_log
+        assert "algorithm.rewards" in odd_log and "task.name = \"copy\" here" in odd_log and "trainer.lr" not in odd_log, odd_log
         killed_at = reported(out)
         os.killpg(first.pid, signal.SIGKILL)  # gone without a word: its lease lapses, its tasks go back
         first.wait(timeout=10)

@@ -197,3 +197,24 @@ def test_the_launcher_refuses_an_incomplete_hf_model_directory_before_anything_s
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "model.path: " in done.stderr and "no weights (*.safetensors); no tokenizer" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()  # no coordinator, no node, no run directory
+
+
+def test_a_rollout_worker_shares_what_plays_and_scores_episodes_not_the_trainers_own():
+    from elasticrl.config.node import rollout_settings
+    from elasticrl.train.same_config import ROLLOUT_SETTINGS_KEY, check_rollout_worker
+
+    trainer = load_config(None, parse_overrides(["--run.run_id=demo", "--run.iterations=99", "--trainer.lr=0.5"]))
+    kept = {}
+
+    class KV:  # the coordinator's KV as the trainer left it
+        def kv_get(self, run, keys):
+            return [kept.get((run, k)) for k in keys]
+
+    check_rollout_worker(trainer, KV())  # nothing kept yet (the trainer has not agreed on its settings): no check
+    kept[("demo.workers", ROLLOUT_SETTINGS_KEY)] = json.dumps(rollout_settings(trainer)).encode()
+    assert "model.d_model" in rollout_settings(trainer) and "trainer.lr" not in rollout_settings(trainer)
+    # The trainer's own settings, and per-node ones, may differ.
+    check_rollout_worker(load_config(None, parse_overrides(["--run.run_id=demo", "--task.path=/elsewhere", "--rollout.slots=3"])), KV())
+    worker = load_config(None, parse_overrides(["--run.run_id=demo", "--algorithm.rewards=exact_match", "--env.max_turns=3"]))
+    with pytest.raises(ConfigError, match=r"differs from the trainer's of run 'demo': algorithm.rewards = \["):
+        check_rollout_worker(worker, KV())
