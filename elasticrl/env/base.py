@@ -7,7 +7,10 @@ An environment is any object with
   group, so an env that draws randomness from it gives each episode its own draw;
 * ``step(action: str) -> (observation, reward, terminated, truncated, info)``: ``action`` is the
   policy's decoded turn; ``reward`` a float for this step (the episode's return is their sum);
-* optionally ``close()``: called once when the env is discarded.
+* optionally ``close()``: called once when the env is discarded;
+* optionally ``stop_strings``: texts that end an action (Search-R1's ``</search>``). The turn is
+  cut after the first token that completes one, as an engine's stop sequence would: what the
+  policy wrote after it is neither shown to the env nor trained on.
 
 Either method may be ``async def``. An observation is a ``str`` (appended to the episode as text)
 or a list of chat messages (``{"role": ..., "content": ...}`` dicts, rendered with the model's chat
@@ -63,6 +66,35 @@ class Env(Protocol):
         """Apply the policy's ``action``; returns (observation, reward, terminated, truncated, info).
         ``terminated``: the task ended (solved or failed); ``truncated``: cut short from outside."""
         ...
+
+
+def stop_strings(env: object) -> tuple[str, ...]:
+    """The env's ``stop_strings`` (under its wrappers), checked: a str or a sequence of non-empty str."""
+    value = getattr(getattr(env, "unwrapped", env), "stop_strings", ())
+    values = (value,) if isinstance(value, str) else value
+    try:
+        out = tuple(values)
+    except TypeError:
+        out = ()
+    if not all(isinstance(s, str) and s for s in out) or (value and not out):
+        raise EnvError(f"env {env_label(env)}: stop_strings = {value!r} must be a str or a sequence of non-empty str")
+    return out
+
+
+def cut_at_stop(ids: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]) -> int:
+    """How many of ``ids`` to keep: up to the first token whose decoded prefix contains one of
+    ``stops``, else all. A prefix that contains one stays containing it, so a binary search over
+    prefix lengths finds it in a few decodes."""
+    if not stops or not any(s in decode(ids) for s in stops):
+        return len(ids)
+    lo, hi = 1, len(ids)  # the shortest prefix that contains a stop is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def env_label(env: object) -> str:

@@ -165,6 +165,10 @@ class SearchEnv:
         http_timeout_s: timeout of every HTTP request to the server, seconds.
     """
 
+    # An action ends at its first closing tag, as Search-R1's generation stops there: text after it
+    # (a made-up <information> block, say) is neither read nor trained on.
+    stop_strings = ("</search>", "</answer>")
+
     def __init__(self, *, corpus_seed: int = 0, docs: int = 30, top_k: int = 2, server_url: str = "", http_timeout_s: float = 5.0):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= _MAX_K:
             raise ValueError(f"top_k: {top_k!r} must be an int in [1, {_MAX_K}]")

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from elasticrl.env.base import EnvError, call_reset, call_step, env_label
+from elasticrl.env.base import EnvError, call_reset, call_step, cut_at_stop, env_label, stop_strings
 from elasticrl.env.wrappers import TurnLimit
 from elasticrl.rollout.engine import GroupRequest, RolloutEngine, Sample, SamplingSpec
 from elasticrl.rollout.env_pool import EnvPool
@@ -379,12 +379,16 @@ class EpisodeRunner:
                 sample, seconds, drawn_with = await self._generate(tokens, spec)
                 gen_s += seconds
                 version = drawn_with if version < 0 else min(version, drawn_with)
-                action_ids = list(sample.completion_ids)
+                action_ids, action_logprobs, last = list(sample.completion_ids), list(sample.logprobs), sample.finish_reason
+                stops = stop_strings(env)
+                keep = cut_at_stop(action_ids, stops, self.decode) if stops and self.decode else len(action_ids)
+                if keep < len(action_ids):  # as if the engine had stopped there
+                    action_ids, action_logprobs, last = action_ids[:keep], action_logprobs[:keep], "stop"
+                    sample = dataclasses.replace(sample, text=None)
                 tokens += action_ids
                 mask += [1] * len(action_ids)
-                logprobs += list(sample.logprobs)
-                last = sample.finish_reason
-                closing = self.renderer.close_action(sample.finish_reason == "stop")
+                logprobs += action_logprobs
+                closing = self.renderer.close_action(last == "stop")
                 if closing and len(tokens) + len(closing) <= self.max_context:
                     tokens += closing
                     mask += [0] * len(closing)

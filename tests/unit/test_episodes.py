@@ -386,3 +386,54 @@ def test_an_observation_the_vocabulary_cannot_encode_fails_the_episode_with_the_
     finally:
         r.close()
     assert out.episodes is None and "cannot be tokenized" in out.error and "'G'" in out.error
+
+
+class StopsAtEquals:
+    """Search-R1's shape: the env reads an action up to its closing tag (here "="); what the policy
+    writes after it must be neither shown to the env nor trained on."""
+
+    stop_strings = ("=",)
+
+    def __init__(self):
+        self.actions: list[str] = []
+
+    def reset(self, *, seed=None, options=None):
+        return "go:", {}
+
+    def step(self, action):
+        self.actions.append(action)
+        return "", 1.0, True, False, {}
+
+
+def test_an_envs_stop_string_ends_the_action_there():
+    envs: list[StopsAtEquals] = []
+
+    def make():
+        envs.append(StopsAtEquals())
+        return envs[-1]
+
+    r = runner(ScriptedEngine(lambda ctx, i: "12=34"), make_env=make)
+    try:
+        (out,) = r.play(groups(1, episodes=1, max_new_tokens=8))
+    finally:
+        r.close()
+    (e,) = out.episodes
+    assert envs[0].actions == ["12="] and e.finish_reason == "stop"
+    trained = [t for t, m in zip(e.token_ids, e.loss_mask) if m]
+    assert text_of(trained) == "12=" and e.logprobs.count(-0.5) == 3  # "34" and EOS were cut
+
+
+def test_stop_strings_are_checked_and_found_by_the_first_token_that_completes_one():
+    from elasticrl.env.base import EnvError, cut_at_stop, stop_strings
+
+    decode = "".join
+    assert cut_at_stop(list("ab</sea"), ("</search>",), decode) == 7  # not there (yet): all kept
+    assert cut_at_stop(["<search>q", "</sea", "rch>", " more", "</search>"], ("</search>",), decode) == 3
+    assert cut_at_stop(list("x</answer>y</search>"), ("</search>", "</answer>"), decode) == 10
+
+    class Bad:
+        stop_strings = ["", "</x>"]
+
+    with pytest.raises(EnvError, match=r"stop_strings = \['', '</x>'\] must be a str or a sequence of non-empty str"):
+        stop_strings(Bad())
+    assert stop_strings(StopsAtEquals()) == ("=",) and stop_strings(object()) == ()
