@@ -502,8 +502,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m elasticrl.demo") 
     try:  # the rows, the reward functions and the env too: a bad file or row must stop us here
         from elasticrl.rl.rewards import RewardError, reward_function
         from elasticrl.rl.workload import check_model, episode_env, row_source, toy_task
+        from elasticrl.train.metric_sinks import check_sinks
 
         check_model(config)
+        check_sinks(config)
         reward = reward_function(config.algorithm.rewards, config.algorithm.reward_weights, toy_task(config))
         row_source(config, reward)
         episode_env(config, reward)

@@ -10,6 +10,12 @@ import os
 import sys
 
 
+def y_range(values: list[float]) -> tuple[float, float]:
+    """Rewards in [0, 1] keep that frame; an env's returns (the agent demo's reach 1.2) or a
+    negative reward widen it."""
+    return min(0.0, min(values) * 1.05), max(1.02, max(values) * 1.05)
+
+
 def plot_rewards(metrics_path: str, png_path: str) -> str | None:
     """Write the plot; returns None, or why it could not (matplotlib missing, no records)."""
     try:
@@ -35,9 +41,16 @@ def plot_rewards(metrics_path: str, png_path: str) -> str | None:
     by_iteration = {r["iteration"]: r for r in records}  # a redone iteration: its last record wins
     its = sorted(by_iteration)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(its, [by_iteration[i]["reward_mean"] for i in its], marker="o", ms=3, label="mean reward")
-    if any("exact_fraction" in by_iteration[i] for i in its):
-        ax.plot(its, [by_iteration[i].get("exact_fraction", float("nan")) for i in its], ls="--", label="exact-match fraction")
+    curves = [("reward_mean", "mean reward", {"marker": "o", "ms": 3}),
+              ("exact_fraction", "exact-match fraction (reward = 1)", {"ls": "--"}),
+              ("eval_reward", "held-out reward", {"marker": "s", "ms": 4, "ls": ":"})]
+    values: list[float] = []
+    for key, label, style in curves:
+        ys = [by_iteration[i].get(key) for i in its]
+        shown = [(i, y) for i, y in zip(its, ys) if isinstance(y, (int, float)) and y == y]  # y == y: not NaN
+        if shown:
+            ax.plot([i for i, _ in shown], [y for _, y in shown], label=label, **style)
+            values += [y for _, y in shown]
     worlds = [by_iteration[i].get("world_size") for i in its]
     for k in range(1, len(its)):
         if worlds[k] != worlds[k - 1]:
@@ -45,7 +58,7 @@ def plot_rewards(metrics_path: str, png_path: str) -> str | None:
             ax.annotate(f"world {worlds[k - 1]} -> {worlds[k]}", (its[k] - 0.5, 0.02), fontsize=8, color="grey")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
-    ax.set_ylim(0, 1.02)
+    ax.set_ylim(*y_range(values))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))

@@ -266,7 +266,8 @@ class AlgorithmConfig:
     rewards: list[str] = dataclasses.field(default_factory=list)
     """Reward functions summed into the reward: registry names (exact_match, positional, format)
     or a user's function as "package.module:function" or "path/to/file.py:function", called as
-    fn(prompt, completion, target) -> float. Empty: the task's own reward."""
+    fn(prompt, completion, **row) -> float (the row's columns it names as keywords; the older
+    fn(prompt, completion, target) still works). Empty: the task's own reward."""
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     """Weights of ``rewards`` (same length); empty means 1.0 each."""
     off_policy_correction: str = "tis"

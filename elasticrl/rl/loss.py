@@ -81,7 +81,7 @@ def policy_loss(
     tis_cap:       the truncation of that importance weight (>= 1).
 
     Stats (this rank's counted tokens): ``clip_fraction``, ``ratio_mean``, ``kl_mean`` (mean k3
-    to the reference, 0.0 without one; reported even when ``kl_coef`` is 0), ``tis_weight_mean``
+    to the reference, 0.0 without one; the trainer builds a reference only with ``kl_coef`` > 0), ``tis_weight_mean``
     and ``tis_capped_fraction`` (1.0 and 0.0 without ``proximal_logprobs``).
 
     Raises:

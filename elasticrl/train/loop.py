@@ -66,6 +66,9 @@ from elasticrl.weights.transfer import WeightPublisher
 
 log = logging.getLogger(__name__)
 
+# What an update reports, summed over its optimizer steps and averaged over ranks (rl/loss.py).
+UPDATE_STATS = ("loss", "clip_fraction", "kl", "grad_norm", "tis_weight_mean", "tis_capped_fraction")
+
 GENERATION_KEY = b"elasticrl/worker-generation"
 # The newest iteration the run finished (rank 0 sets it after each record): a world that resumes
 # from less says what it does again, and one that finds nothing to resume from says what it lost.
@@ -418,7 +421,7 @@ class NodeTrainer(InPlace):
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid, temperature=temperature).float()
-        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        sums = dict.fromkeys(UPDATE_STATS, 0.0)
         world = self.world.world_size
         # rollout.max_staleness >= 1: the decoupled objective (rl/loss.py); the proximal policy is
         # this update's start, i.e. the first step's logprobs before its optimizer step (no extra forward).
@@ -440,6 +443,8 @@ class NodeTrainer(InPlace):
             sums["clip_fraction"] += stats["clip_fraction"] / world
             sums["kl"] += stats.get("kl_mean", 0.0) / world
             sums["grad_norm"] += step.get("grad_norm", 0.0) / world
+            sums["tis_weight_mean"] += stats["tis_weight_mean"] / world
+            sums["tis_capped_fraction"] += stats["tis_capped_fraction"] / world
         return sums
 
     def _iteration(self, iteration: int, extra: dict) -> dict:
@@ -498,7 +503,7 @@ class NodeTrainer(InPlace):
                 metrics["eval_reward"] = float(held_out.rewards.mean())
                 metrics["eval_exact"] = float((held_out.rewards == 1).float().mean())
         lap("t_eval")
-        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        sums = dict.fromkeys(UPDATE_STATS, 0.0)
         if phase != "rollout":
             with self._engine_asleep():
                 with self.engine_lock if self.shares_module else contextlib.nullcontext():
@@ -518,6 +523,8 @@ class NodeTrainer(InPlace):
             "clip_fraction": sums["clip_fraction"] / updates,
             "kl": sums["kl"] / updates,
             "grad_norm": sums["grad_norm"] / updates,
+            "tis_weight_mean": sums["tis_weight_mean"] / updates,
+            "tis_capped_fraction": sums["tis_capped_fraction"] / updates,
             "world_size": self.world.world_size,
             "generation": self.generation,
             "turns_mean": turns / samples,

@@ -139,6 +139,19 @@ class WandbSink:
         self.run.finish()
 
 
+def check_sinks(cfg: NodeConfig) -> None:
+    """``ConfigError`` if a sink the config asks for has no package here, before anything starts
+    (found without importing it)."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard: the tensorboard package is not installed; pip install tensorboard "
+                          "(or set logging.tensorboard = false)")
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb_project: the wandb package is not installed; pip install wandb "
+                          "(or leave logging.wandb_project empty)")
+
+
 def open_sinks(cfg: NodeConfig) -> list[MetricSink]:
     """The optional sinks the config asks for (TensorBoard, W&B)."""
     sinks: list[MetricSink] = []

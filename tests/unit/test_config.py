@@ -218,3 +218,15 @@ def test_a_rollout_worker_shares_what_plays_and_scores_episodes_not_the_trainers
     worker = load_config(None, parse_overrides(["--run.run_id=demo", "--algorithm.rewards=exact_match", "--env.max_turns=3"]))
     with pytest.raises(ConfigError, match=r"differs from the trainer's of run 'demo': algorithm.rewards = \["):
         check_rollout_worker(worker, KV())
+
+
+def test_the_launcher_refuses_a_metrics_sink_whose_package_is_missing_before_anything_starts(tmp_path):
+    # Found by a researcher: a missing wandb was reported after the model was built and warmed up.
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    done = _cli("-m", "elasticrl.cli", "run", "elasticrl/configs/demo.toml", "--nodes", "1", "--out", str(tmp_path / "run"),
+                "--", "--logging.wandb_project=p")
+    assert done.returncode == 2 and "logging.wandb_project: the wandb package is not installed" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()

@@ -112,3 +112,13 @@ def test_a_failed_node_is_reported_by_what_stopped_it_not_by_its_last_lines(tmp_
     err = capsys.readouterr().err
     assert rc == 1 and f"node-0 exited with status 1: {reason}\n  (its log: {node.log_path})" in err, err
     assert "Traceback" not in err and "File " not in err
+
+
+def test_the_reward_plot_frames_returns_past_one_and_below_zero():
+    # Found by a researcher: the frame was fixed to [0, 1.02], and the agent demo's returns reach 1.2.
+    from elasticrl.plot import y_range
+
+    assert y_range([0.1, 0.9]) == (0.0, 1.02)
+    low, high = y_range([0.39, 1.2])
+    assert low == 0.0 and high >= 1.2
+    assert y_range([-0.5, 0.5])[0] <= -0.5
