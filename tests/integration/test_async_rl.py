@@ -43,6 +43,8 @@ def test_a_trainer_killed_while_engines_are_ahead_never_trains_on_a_sample_older
         lags = {int(lag): n for lag, n in r["policy_lag"].items()}
         assert lags and max(lags) <= K and r["policy_lag_max"] <= K, r
         assert sum(lags.values()) + r["stale_dropped"] == 16 * 8, r  # 16 groups of 8
+        # The correction's weights are reported (a researcher could not see how often tis_cap binds).
+        assert 0.0 < r["tis_weight_mean"] <= 2.0 and 0.0 <= r["tis_capped_fraction"] <= 1.0, r
     assert sum(int(r["policy_lag"].get(str(K), 0)) for r in records) > 0, "no sample was ever drawn ahead"
     # The rollout-only worker drew groups in both worlds and left when training closed the run.
     log = (out / "logs" / "rollout-0.log").read_text()
