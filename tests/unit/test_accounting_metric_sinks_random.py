@@ -253,7 +253,7 @@ def test_a_record_appended_after_a_torn_line_is_on_record(tmp_path):
     ``last_iteration`` skips "a torn last line (killed mid-write)" so that a resumed run adds the
     record its snapshot finished but nobody recorded (``train/loop.py`` ``_open_records``). That
     record is appended with no newline before it: it lands on the torn line, which is then not
-    JSON, so iteration 2's metrics are lost (``last_iteration`` still says 1, ``demo._metrics``
+    JSON, so iteration 2's metrics are lost (``last_iteration`` still says 1, ``run_summary.last_records``
     skips the line, ``elasticrl.plot`` fails on it)."""
     sink = JsonLines(str(tmp_path))
     sink.log({"iteration": 1, "reward_mean": 0.1}, 1)

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from elasticrl.demo import Child, _leftover_snapshots, _summarize
+from elasticrl.demo import Child
+from elasticrl.run_summary import leftover_snapshots, summarize
 from elasticrl.train.snapshot_plan import run_root
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,7 +37,7 @@ def write_run(tmp_path, records: list[dict]) -> str:
 
 
 def summary(tmp_path, capsys, records, **kw) -> tuple[int, str, str]:
-    rc = _summarize(write_run(tmp_path, records), [finished_node(tmp_path, kw.pop("node_rc", 0))], 2, 5.0, killed=False,
+    rc = summarize(write_run(tmp_path, records), [finished_node(tmp_path, kw.pop("node_rc", 0))], 2, 5.0, killed=False,
                     no_plot=True, **kw)
     out = capsys.readouterr()
     return rc, out.out, out.err
@@ -73,13 +74,13 @@ def test_an_unfinished_runs_snapshots_are_freed_unless_the_user_named_the_run(tm
     try:
         for root in (made, named):
             os.makedirs(os.path.join(root, "node-0"))
-        _leftover_snapshots(run_dir, "cfg-20261127-101500", kept=False)
+        leftover_snapshots(run_dir, "cfg-20261127-101500", kept=False)
         assert not os.path.exists(made) and capsys.readouterr().out == ""
-        _leftover_snapshots(run_dir, "my-run", kept=True)
+        leftover_snapshots(run_dir, "my-run", kept=True)
         assert os.path.isdir(named)
         assert f"snapshots: {named} (host memory) is kept: started again with run.run_id = 'my-run'" in capsys.readouterr().out
         shutil.rmtree(named)
-        _leftover_snapshots(run_dir, "my-run", kept=True)  # a finished run freed its own: nothing to say
+        leftover_snapshots(run_dir, "my-run", kept=True)  # a finished run freed its own: nothing to say
         assert capsys.readouterr().out == ""
     finally:
         for root in (made, named):
@@ -108,7 +109,7 @@ def test_a_failed_node_is_reported_by_what_stopped_it_not_by_its_last_lines(tmp_
     node = finished_node(tmp_path, 1)
     with open(node.log_path, "w") as f:
         f.write(log)
-    rc = _summarize(write_run(tmp_path, [{"iteration": 1}]), [node], 2, 5.0, killed=False, no_plot=True, label="elasticrl run")
+    rc = summarize(write_run(tmp_path, [{"iteration": 1}]), [node], 2, 5.0, killed=False, no_plot=True, label="elasticrl run")
     err = capsys.readouterr().err
     assert rc == 1 and f"node-0 exited with status 1: {reason}\n  (its log: {node.log_path})" in err, err
     assert "Traceback" not in err and "File " not in err
