@@ -159,7 +159,7 @@ def test_print_config_needs_no_coordinator():
 @pytest.mark.parametrize(("args", "message"), [
     (["--slots", "-3"], "--slots: -3 must be >= 1"),
     (["--weight", "0"], "--weight: 0.0 must be a finite number > 0"),
-    (["--model.kind=hf", "--model.path=/nonexistent/model"], "model.path: '/nonexistent/model' is not a Hugging Face model directory"),
+    (["--model.kind=hf", "--model.path=/nonexistent/model"], "model.path: '/nonexistent/model' is not a directory"),
 ])
 def test_rollout_worker_refuses_bad_input_with_status_2(args, message):
     done = _cli("-m", "elasticrl.cli", "rollout", "--config", "elasticrl/configs/demo.toml",
