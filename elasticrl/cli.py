@@ -120,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elasticrl {args.command}: {exc}", file=sys.stderr)
         return 2
     # Unreachable, the client keeps trying for --timeout (a coordinator restarting is back in seconds):
-    # say so, rather than sit silent for 10 s.
+    # say so, rather than sit silent for 10 s (a short --timeout, a health check's, says nothing more).
+    import contextlib
+
     from elasticrl.repeats import still_waiting
 
     note = still_waiting(WAIT_NOTE_S, lambda: print(
         f"elasticrl {args.command}: waiting for the coordinator at {args.coordinator} (gives up after --timeout "
-        f"{args.timeout:g}s)", file=sys.stderr, flush=True))
+        f"{args.timeout:g}s)", file=sys.stderr, flush=True)) if args.timeout > WAIT_NOTE_S else contextlib.nullcontext()
     try:
         with note, client:
             if args.command == "status":

@@ -324,10 +324,21 @@ ROLLOUT_KEYS = frozenset({
 })
 
 
+TINY_ONLY = ("d_model", "n_layers", "n_heads", "max_seq_len")
+
+
+def model_identity(model: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a ``[model]`` table says which model it is: not ``path`` (a node's own, and a
+    directory may move; a model of another shape fails the load by itself), nor the tiny policy's
+    sizes under ``kind = hf``. A checkpoint and a rollout worker must match it."""
+    return {k: v for k, v in model.items() if k != "path" and not (model.get("kind") == "hf" and k in TINY_ONLY)}
+
+
 def rollout_settings(config: NodeConfig) -> dict[str, Any]:
-    """The settings a rollout-only worker must share with the trainer (``ROLLOUT_KEYS`` and
-    ``[model]``, but for the per-node ones)."""
-    return {k: v for k, v in run_settings(config).items() if k in ROLLOUT_KEYS or k.startswith("model.")}
+    """The settings a rollout-only worker must share with the trainer: ``ROLLOUT_KEYS`` and the
+    model's identity, but for the per-node ones."""
+    model = {f"model.{k}": v for k, v in model_identity(to_dict(config)["model"]).items()}
+    return {**{k: v for k, v in run_settings(config).items() if k in ROLLOUT_KEYS}, **model}
 
 
 def setting_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 8) -> list[str]:

@@ -143,9 +143,11 @@ class EngineConfig:
     max_batch_rows: int = 64
     """hf: most sequences decoded together."""
     gpu_memory_utilization: float = 0.5
-    """vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    """vllm: fraction of the whole GPU's memory vLLM may take, checked against what is free when it
+    starts (the trainer shares the GPU and already holds part of it)."""
     tensor_parallel_size: int = 1
-    """vllm: GPUs per engine."""
+    """vllm: GPUs per engine. The engine of local rank r takes GPUs r*tp .. r*tp+tp-1 (with 1, the
+    rank's own), so a node needs nproc-per-node * tp GPUs."""
     sleep_during_update: bool = True
     """vllm/hf on GPU: release the engine's memory while the trainer updates (sleep/wake)."""
 

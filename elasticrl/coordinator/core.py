@@ -445,14 +445,18 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
         self._fence(run, member_id, incarnation)
         rdzv = run.rendezvous
         cfg = rdzv.config
-        # A new --nnodes is taken only from a node with no other live: a job started again with
-        # another size (a new Kubernetes Job with another MAX) goes on with the same run.
+        # A new --nnodes is taken once no live node is in the run's rounds (the last one's
+        # participants, or waiting for the next): a job started again with another size (a new
+        # Kubernetes Job with another MAX) goes on with the same run. Nodes of the new job that
+        # joined but have not asked for a round yet do not count: they pass the new size too.
         resized = cfg is not None and (cfg.min_nodes, cfg.max_nodes) != (config.min_nodes, config.max_nodes)
-        if resized and any(m.live for m_id, m in run.members.items() if m_id != member_id):
+        if resized and any(
+            m != member_id and run.is_live(m, inc) for m, inc in [*rdzv.participants, *rdzv.waiting.items()]
+        ):
             raise InvalidRequestError(
                 f"config: --nnodes={config.min_nodes}:{config.max_nodes} differs from the run's "
                 f"{cfg.min_nodes}:{cfg.max_nodes}; every node must pass the same --nnodes (a new one is "
-                "taken only once no node of the run is live)"
+                "taken only once no node of the run's rounds is live)"
             )
         reason = self._take_timed_out(run, member_id)
         if reason is not None:
@@ -464,7 +468,7 @@ class CoordinatorCore(BarrierOps, KeyValueOps):
             # The first waiter fixes the config; it is persisted with the waiting set.
             pending = copy_rendezvous(rdzv)
             if resized:
-                log.warning("run %s: --nnodes=%d:%d (from %s) replaces %d:%d: no node of the run was left", run_id,
+                log.warning("run %s: --nnodes=%d:%d (from %s) replaces %d:%d: no node of its rounds was left", run_id,
                             config.min_nodes, config.max_nodes, member_id, cfg.min_nodes, cfg.max_nodes)
             if pending.config is None or resized:
                 pending.config = config

@@ -343,7 +343,7 @@ class CoordinatorServer:
         if ticked is None:
             return "starting"
         silent = time.monotonic() - ticked
-        if silent > HEALTH_STALL_S:
+        if silent > max(HEALTH_STALL_S, 3 * self.config.tick_s):  # a --tick that long is allowed
             return f"stalled: the event loop has not ticked for {silent:.0f}s (tick every {self.config.tick_s:g}s)"
         return None
 

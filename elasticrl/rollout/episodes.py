@@ -382,13 +382,14 @@ class EpisodeRunner:
                 action_ids, action_logprobs, last = list(sample.completion_ids), list(sample.logprobs), sample.finish_reason
                 stops = stop_strings(env)
                 keep = cut_at_stop(action_ids, stops, self.decode) if stops and self.decode else len(action_ids)
-                if keep < len(action_ids):  # as if the engine had stopped there
+                cut = keep < len(action_ids)
+                if cut:  # as if the engine had stopped there (its own end-of-turn token went with the rest)
                     action_ids, action_logprobs, last = action_ids[:keep], action_logprobs[:keep], "stop"
                     sample = dataclasses.replace(sample, text=None)
                 tokens += action_ids
                 mask += [1] * len(action_ids)
                 logprobs += action_logprobs
-                closing = self.renderer.close_action(last == "stop")
+                closing = self.renderer.close_action(last == "stop" and not cut)
                 if closing and len(tokens) + len(closing) <= self.max_context:
                     tokens += closing
                     mask += [0] * len(closing)

@@ -113,19 +113,22 @@ def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int, *
 
 
 def _placement(device: str | torch.device | None, tensor_parallel_size: int, engine_fields: set[str]) -> tuple[dict, dict]:
-    """(``vllm.LLM`` kwargs, environment while it starts) that put the engine on ``device`` (this
-    process's GPU, "cuda:N") and the ``tensor_parallel_size - 1`` after it; nothing if no index."""
+    """(``vllm.LLM`` kwargs, environment while it starts) that put the engine of the process on
+    ``device`` ("cuda:N", its trainer's GPU) on GPUs ``N * tp .. N * tp + tp - 1``: with tp = 1 its
+    own, with tp > 1 a block of its own (the processes of a node never share one; the node needs
+    nproc-per-node * tp GPUs). Nothing if the device has no index."""
     index = None if device is None else torch.device(device).index
     if index is None:
         return {}, {}
-    ids = list(range(index, index + tensor_parallel_size))
-    if "device_ids" in engine_fields:  # indices into CUDA_VISIBLE_DEVICES, as torch's are
-        return {"device_ids": ids}, {}
+    tp = tensor_parallel_size
+    ids = list(range(index * tp, index * tp + tp))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     physical = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if ids[-1] >= len(physical):
-        raise ValueError(f"device {device} with tensor_parallel_size={tensor_parallel_size} needs GPUs {ids}, and "
-                         f"{len(physical)} are visible")
+        raise ValueError(f"device {device} with engine.tensor_parallel_size={tp} takes GPUs {ids} (each process of a "
+                         f"node a block of its own), and {len(physical)} are visible")
+    if "device_ids" in engine_fields:  # indices into CUDA_VISIBLE_DEVICES, as torch's are
+        return {"device_ids": ids}, {}
     return {}, {"CUDA_VISIBLE_DEVICES": ",".join(physical[i] for i in ids)}
 
 
@@ -246,15 +249,19 @@ class VLLMEngine:
             with _environment(environment):
                 self._llm: Any = vllm.LLM(**kwargs)
         except (ValueError, RuntimeError) as exc:
-            # In-process vLLM raises the memory check's ValueError itself; its separate engine core
-            # process fails with "Engine core initialization failed", the cause logged above it.
+            # In-process vLLM raises its memory check's ValueError itself: that one will not pass by
+            # retrying. Its separate engine core process fails with "Engine core initialization
+            # failed" whatever the cause (logged above it; a predecessor still on the GPU passes), so
+            # that is only explained, and retried as before.
             text = str(exc).lower()
-            if "memory" not in text and "engine core initialization failed" not in text:
-                raise
-            raise EngineUnavailableError(
-                f"vLLM could not start on {device or 'its default GPU'}: {exc}. If the cause is GPU memory (\"less than "
-                f"desired GPU memory utilization\"), lower engine.gpu_memory_utilization={gpu_memory_utilization:g}: it is a "
-                "share of the whole GPU, and the trainer already holds part of it") from exc
+            hint = (f"if the cause is GPU memory (\"less than desired GPU memory utilization\"), lower "
+                    f"engine.gpu_memory_utilization={gpu_memory_utilization:g}: it is a share of the whole GPU, and the "
+                    "trainer already holds part of it")
+            if isinstance(exc, ValueError) and "memory" in text:
+                raise EngineUnavailableError(f"vLLM could not start on {device or 'its default GPU'}: {exc}; {hint}") from exc
+            if "engine core initialization failed" in text:
+                logger.error("vllm engine: could not start on %s (%s); %s", device or "its default GPU", exc, hint)
+            raise
         self._tied_head = frozenset({TIED_HEAD}) if tied_embeddings(path) else frozenset()
         model_dtype = getattr(getattr(getattr(self._llm, "llm_engine", None), "model_config", None), "dtype", None)
         self._wire_dtype = model_dtype if isinstance(model_dtype, torch.dtype) else None

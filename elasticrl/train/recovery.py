@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict
+from elasticrl.config.node import model_identity
 from elasticrl.train import checkpoint as ckpt, stop
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, broadcast_json, broadcast_tensors
 from elasticrl.train.shard_wire import WireError, move
@@ -279,12 +280,3 @@ class Recovery:
                 log.warning("could not write the last snapshot: %s", exc)
         self._forget_flush()
 
-
-TINY_ONLY = ("d_model", "n_layers", "n_heads", "max_seq_len")
-
-
-def model_identity(model: dict) -> dict:
-    """What of a ``[model]`` table a saved state must match: not ``path`` (a node's own, and a
-    directory may move; a model of another shape fails the load by itself), nor the tiny policy's
-    sizes under ``kind = hf``."""
-    return {k: v for k, v in model.items() if k != "path" and not (model.get("kind") == "hf" and k in TINY_ONLY)}

@@ -218,6 +218,10 @@ def test_a_rollout_worker_shares_what_plays_and_scores_episodes_not_the_trainers
     worker = load_config(None, parse_overrides(["--run.run_id=demo", "--algorithm.rewards=exact_match", "--env.max_turns=3"]))
     with pytest.raises(ConfigError, match=r"differs from the trainer's of run 'demo': algorithm.rewards = \["):
         check_rollout_worker(worker, KV())
+    # Under model.kind = hf the tiny policy's sizes say nothing (found in review: they were compared).
+    hf = ["--run.run_id=demo", "--model.kind=hf", "--model.path=/m"]
+    kept[("demo.workers", ROLLOUT_SETTINGS_KEY)] = json.dumps(rollout_settings(load_config(None, parse_overrides(hf)))).encode()
+    check_rollout_worker(load_config(None, parse_overrides([*hf, "--model.d_model=32", "--model.path=/elsewhere"])), KV())
 
 
 def test_the_launcher_refuses_a_metrics_sink_whose_package_is_missing_before_anything_starts(tmp_path):

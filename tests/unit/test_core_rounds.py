@@ -178,14 +178,16 @@ def test_a_new_nnodes_is_taken_once_no_node_of_the_run_is_live(tmp_path, clock):
     assert _wait_once(core, a, old).world_size == 1
     bigger = RoundConfig(1, 2, 1.0, 60.0)
     b, _ = core.join("r", "b")
-    with pytest.raises(InvalidRequestError, match=r"--nnodes=1:2 differs from the run's 1:1.*no node of the run is live"):
+    with pytest.raises(InvalidRequestError, match=r"--nnodes=1:2 differs from the run's 1:1.*no node of the run's rounds is live"):
         _wait_once(core, b, bigger)  # a still runs: every node of one job passes the same --nnodes
     core.leave("r", "a", a.incarnation)
+    d, _ = core.join("r", "d")  # another node of the new job, joined but not yet asking for a round
     assert _wait_once(core, b, bigger).status == "waiting"  # the old job is gone: its size goes with it
+    assert _wait_once(core, d, bigger).world_size == 2  # max_nodes reached: the new job's round of 2
     assert core.runs["r"].rendezvous.config == bigger
     core.db.close()
     again = CoordinatorCore(StateDB(path), lease_ttl_s=1000.0, clock=clock)  # persisted with the waiting set
     assert again.runs["r"].rendezvous.config == bigger
     c, _ = again.join("r", "c")
     with pytest.raises(InvalidRequestError, match="differs from the run's 1:2"):
-        _wait_once(again, c, old)
+        _wait_once(again, c, old)  # b and d run with the new size

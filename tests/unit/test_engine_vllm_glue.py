@@ -357,7 +357,8 @@ def test_the_engine_takes_this_processs_gpu(fake_vllm, monkeypatch):
     module.LLM = RecordingLLM
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     eng = make_engine("vllm", model_dir=model_dir, device="cuda:1", tensor_parallel_size=2)  # an older vLLM
-    assert "device_ids" not in eng.llm.kwargs and seen == ["5,6"] and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    # rank 1 of a node with tp = 2: GPUs 2 and 3 of those visible (rank 0 has 0 and 1)
+    assert "device_ids" not in eng.llm.kwargs and seen == ["6,7"] and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
     @dataclasses.dataclass
     class EngineArgs:  # vLLM >= 0.33 has device_ids, indices into CUDA_VISIBLE_DEVICES
@@ -366,8 +367,7 @@ def test_the_engine_takes_this_processs_gpu(fake_vllm, monkeypatch):
     module.EngineArgs = EngineArgs
     eng = make_engine("vllm", model_dir=model_dir, device="cuda:3")
     assert eng.llm.kwargs["device_ids"] == [3] and seen[-1] == "4,5,6,7"
-    with pytest.raises(ValueError, match=r"needs GPUs \[3, 4\], and 4 are visible"):
-        del module.EngineArgs
+    with pytest.raises(ValueError, match=r"takes GPUs \[6, 7\] \(each process of a node a block of its own\), and 4 are visible"):
         make_engine("vllm", model_dir=model_dir, device="cuda:3", tensor_parallel_size=2)
 
 
@@ -385,3 +385,17 @@ def test_a_gpu_memory_refusal_names_the_setting_to_lower(fake_vllm, monkeypatch)
 
     with pytest.raises(EngineUnavailableError, match=r"lower engine.gpu_memory_utilization=0.5: it is a share of the whole GPU"):
         make_engine("vllm", model_dir=model_dir, device="cuda:0")
+
+
+def test_an_engine_core_that_fails_to_start_is_explained_and_retried_as_before(fake_vllm, monkeypatch, caplog):
+    module, model_dir = fake_vllm
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+
+    class Failing(FakeLLM):
+        def __init__(self, **kwargs):
+            raise RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+
+    module.LLM = Failing
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="Engine core initialization failed"):
+        make_engine("vllm", model_dir=model_dir, device="cuda:0")  # not EngineUnavailableError: a node retries it
+    assert "lower engine.gpu_memory_utilization=0.5" in caplog.text

@@ -437,3 +437,20 @@ def test_stop_strings_are_checked_and_found_by_the_first_token_that_completes_on
     with pytest.raises(EnvError, match=r"stop_strings = \['', '</x>'\] must be a str or a sequence of non-empty str"):
         stop_strings(Bad())
     assert stop_strings(StopsAtEquals()) == ("=",) and stop_strings(object()) == ()
+
+
+def test_an_action_cut_at_a_stop_string_is_closed_as_the_template_closes_a_turn():
+    # Found in review: a cut action was taken as stopped by the engine's end-of-turn token, which the
+    # cut had removed, so a chat transcript went on without closing the assistant's turn.
+    class Closing(PlainRenderer):
+        def close_action(self, stopped):
+            return [] if stopped else [EOS]
+
+    r = EpisodeRunner(ScriptedEngine(lambda ctx, i: "12=34"), Closing(CODEC.encode), StopsAtEquals,
+                      EpisodeSettings(max_turns=5), decode=CODEC.decode)
+    try:
+        (out,) = r.play(groups(1, episodes=1, max_new_tokens=8))
+    finally:
+        r.close()
+    (e,) = out.episodes
+    assert e.token_ids[-1] == EOS and e.loss_mask[-1] == 0 and text_of(e.token_ids[-4:-1]) == "12="

@@ -407,7 +407,9 @@ class World:
         elif roll < 0.52:
             agent = self.pick(member=None)
             run = self.run_of()
-            alone = run is not None and not any(m.live for name, m in run.members.items() if name != agent.name)
+            alone = run is not None and not any(
+                m != agent.name and run.is_live(m, inc)
+                for m, inc in [*run.rendezvous.participants, *run.rendezvous.waiting.items()])
             if (agent.alive and agent.inc and run is not None and run.rendezvous.config is not None and rng.random() < 0.5
                     and not (alone and agent.call is not None)):  # a node of a job started again has no old call in flight
                 # fenced first; a new --nnodes is taken from a node with no other live (a job started again)

@@ -106,7 +106,7 @@ def test_unknown_format_is_refused(tmp_path):
 def test_a_saved_model_is_matched_by_what_it_is_not_where_it_lies():
     # Found by a user: a checkpoint of model.path = "ckpt" was refused with the same directory
     # written as an absolute path (and model.path may differ per node).
-    from elasticrl.train.recovery import model_identity
+    from elasticrl.config.node import model_identity
 
     hf = {"kind": "hf", "path": "ckpt", "dtype": "float32", "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64}
     assert model_identity(hf) == model_identity({**hf, "path": "/abs/ckpt", "d_model": 32}) == {"kind": "hf", "dtype": "float32"}
