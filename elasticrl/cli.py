@@ -1,4 +1,4 @@
-"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``session-relay``, ``status``, ``close-run``.
+"""``elasticrl`` command line: ``coordinator``, ``run``, ``rollout``, ``session-relay``, ``status``, ``close-run``, ``plot``.
 
 Arguments are parsed before anything heavy is imported, so ``--help`` answers at once.
 """
@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(x)
     x.add_argument("run", help="run id to close")
     x.add_argument("--reason", default="closed by operator", help="reason recorded with the close")
+
+    p = sub.add_parser("plot", help="draw a run's reward per iteration (reward.png) from its metrics.jsonl")
+    p.add_argument("metrics", metavar="METRICS_JSONL", help="the run's metrics.jsonl (runs/<run id>/metrics.jsonl)")
+    p.add_argument("out", nargs="?", metavar="OUT.png", help="where to write it (default: reward.png beside METRICS_JSONL)")
     return parser
 
 
@@ -108,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         return _coordinator(args)
     if args.command == "session-relay":
         return _relay(args)
+    if args.command == "plot":
+        from elasticrl.plot import main as plot
+
+        return plot([args.metrics, *([args.out] if args.out else [])])
     from elasticrl.errors import ElasticRLError
     from elasticrl.scheduler.client import SchedulerClient
 

@@ -619,6 +619,8 @@ def test_random_plot(tmp_path, seed):
     written = pathlib.Path(out.stdout.strip())
     assert written == (out_png or where / "reward.png"), describe(out)
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = cli(["plot", metrics, tmp_path / "again.png"])  # the same through `elasticrl plot`
+    assert again.returncode == 0 and (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", describe(again)
     for args in ([], [metrics, written, "extra"]):
         out = cli(args, prog=PLOT)
         assert out.returncode == 2 and "Traceback" not in out.stderr and "metrics.jsonl" in out.stderr, describe(out)
