@@ -273,7 +273,8 @@ class AlgorithmConfig:
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     """Weights of ``rewards`` (same length); empty means 1.0 each."""
     off_policy_correction: str = "tis"
-    """With rollout.max_staleness >= 1 only (k = 0 trains exactly as before): "tis", the decoupled
+    """With rollout.max_staleness >= 1, and in an update phase (run.rl_phase = update, whose groups
+    were all drawn by older policies); k = 0 in one phase trains exactly as before: "tis", the decoupled
     objective: the ratio is clipped against the policy at the start of the update (the proximal
     policy) and each token is weighted by the truncated importance weight min(pi_prox / pi_behaviour,
     tis_cap) of the policy that drew it; "none": the plain loss against the behaviour logprobs."""

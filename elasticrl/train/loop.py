@@ -423,9 +423,11 @@ class NodeTrainer(InPlace):
                 ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid, temperature=temperature).float()
         sums = dict.fromkeys(UPDATE_STATS, 0.0)
         world = self.world.world_size
-        # rollout.max_staleness >= 1: the decoupled objective (rl/loss.py); the proximal policy is
-        # this update's start, i.e. the first step's logprobs before its optimizer step (no extra forward).
-        decoupled, prox = cfg.rollout.max_staleness > 0 and a.off_policy_correction == "tis", None
+        # rollout.max_staleness >= 1, or an update phase (every group drawn by an older policy): the
+        # decoupled objective (rl/loss.py); the proximal policy is this update's start, i.e. the first
+        # step's logprobs before its optimizer step (no extra forward).
+        off_policy = cfg.rollout.max_staleness > 0 or cfg.run.rl_phase == "update"
+        decoupled, prox = off_policy and a.off_policy_correction == "tis", None
         for _ in range(cfg.trainer.updates_per_iteration):
             with self.strategy.autocast():
                 logprobs = self.parts.logprobs(self.strategy.module, batch.tokens, batch.valid, temperature=temperature)

@@ -93,6 +93,9 @@ def test_a_rollout_phase_then_an_update_phase(tmp_path):
     assert [r["iteration"] for r in trained] == [1, 2, 3] and [r["policy_version"] for r in trained] == [1, 2, 3]
     # The update phase trained on the rollout phase's groups: the same rewards, iteration by iteration.
     assert [r["reward_mean"] for r in trained] == [r["reward_mean"] for r in rolled]
+    # All drawn by version 0, they are corrected as off-policy samples (found by a researcher: the
+    # most off-policy mode could not use the correction): from the second update on the weight moves.
+    assert trained[0]["tis_weight_mean"] == pytest.approx(1.0) and trained[-1]["tis_weight_mean"] != 1.0, trained
     missing = subprocess.run(
         [sys.executable, "-m", "elasticrl.demo", "--out", str(tmp_path / "other"), "--nodes", "1", "--iterations", "1",
          "--", "--run.rl_phase=update"],
