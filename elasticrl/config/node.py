@@ -334,11 +334,11 @@ def model_identity(model: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model.items() if k != "path" and not (model.get("kind") == "hf" and k in TINY_ONLY)}
 
 
-def rollout_settings(config: NodeConfig) -> dict[str, Any]:
-    """The settings a rollout-only worker must share with the trainer: ``ROLLOUT_KEYS`` and the
-    model's identity, but for the per-node ones."""
-    model = {f"model.{k}": v for k, v in model_identity(to_dict(config)["model"]).items()}
-    return {**{k: v for k, v in run_settings(config).items() if k in ROLLOUT_KEYS}, **model}
+def rollout_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Of a node's ``run_settings``, those a rollout-only worker must share with the trainer:
+    ``ROLLOUT_KEYS`` and the model's identity."""
+    model = model_identity({k.removeprefix("model."): v for k, v in settings.items() if k.startswith("model.")})
+    return {**{k: v for k, v in settings.items() if k in ROLLOUT_KEYS}, **{f"model.{k}": v for k, v in model.items()}}
 
 
 def setting_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 8) -> list[str]:

@@ -172,8 +172,8 @@ class VLLMEngine:
         logprobs_mode: "processed" or "raw", see ``elasticrl.rollout.engine``.
         policy_version: version of the weights in ``model_dir``.
         weight_chunk_bytes: most bytes sent per ``collective_rpc`` in ``update_weights``.
-        device: this process's GPU ("cuda:N"); the engine takes it and the ``tensor_parallel_size
-            - 1`` after it. None: vLLM's choice (GPU 0 of what is visible).
+        device: this process's GPU ("cuda:N"); the engine takes GPUs N * tp .. N * tp + tp - 1
+            (``_placement``: with tp = 1, this one). None: vLLM's choice (GPU 0 of what is visible).
         llm_kwargs: further ``vllm.LLM`` keyword arguments (override the ones above).
     """
 

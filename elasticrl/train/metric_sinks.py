@@ -97,15 +97,22 @@ class JsonLines:
         pass
 
 
+# What a sink's missing package means, said at start-up (check_sinks) and, should it go missing
+# since, when the sink opens.
+NOT_INSTALLED = {
+    "tensorboard": "logging.tensorboard: the tensorboard package is not installed; pip install tensorboard "
+                   "(or set logging.tensorboard = false)",
+    "wandb": "logging.wandb_project: the wandb package is not installed; pip install wandb "
+             "(or leave logging.wandb_project empty)",
+}
+
+
 class TensorBoardSink:
     def __init__(self, log_dir: str):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError(
-                "logging.tensorboard: the tensorboard package is not installed; pip install tensorboard "
-                "(or set logging.tensorboard = false)"
-            ) from None
+            raise ConfigError(NOT_INSTALLED["tensorboard"]) from None
         self.writer = SummaryWriter(log_dir=log_dir)
         self.log_dir = log_dir
 
@@ -123,10 +130,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError(
-                "logging.wandb_project: the wandb package is not installed; pip install wandb "
-                "(or leave logging.wandb_project empty)"
-            ) from None
+            raise ConfigError(NOT_INSTALLED["wandb"]) from None
         self.run = wandb.init(
             project=cfg.logging.wandb_project, name=cfg.run.run_id, id=cfg.run.run_id, resume="allow",
             mode=cfg.logging.wandb_mode, dir=cfg.run.run_dir, config=to_dict(cfg),
@@ -144,12 +148,9 @@ def check_sinks(cfg: NodeConfig) -> None:
     (found without importing it)."""
     import importlib.util
 
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logging.tensorboard: the tensorboard package is not installed; pip install tensorboard "
-                          "(or set logging.tensorboard = false)")
-    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb_project: the wandb package is not installed; pip install wandb "
-                          "(or leave logging.wandb_project empty)")
+    for package, wanted in (("tensorboard", cfg.logging.tensorboard), ("wandb", cfg.logging.wandb_project)):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(NOT_INSTALLED[package])
 
 
 def open_sinks(cfg: NodeConfig) -> list[MetricSink]:

@@ -58,7 +58,7 @@ def check_same_settings(cfg: NodeConfig, rank: int, client: SchedulerClient) -> 
         known = raw.decode() if raw else None
     if len(set(digests)) == 1:
         if rank == 0 and known != digest:  # a new run, or all of it started again with new settings
-            client.kv_set(run, {SETTINGS_KEY: digest.encode(), ROLLOUT_SETTINGS_KEY: _rollout_json(cfg)})
+            _keep(client, run, digest, mine)
         return
     known = broadcast_json(known, src=0)
     src = reference(digests, known)
@@ -66,8 +66,7 @@ def check_same_settings(cfg: NodeConfig, rank: int, client: SchedulerClient) -> 
     odd = [r for r, d in enumerate(digests) if d != digests[src]]
     shared = len(digests) - len(odd)
     if rank == 0 and known != digests[src]:
-        rollout = {k: theirs[k] for k in rollout_settings(cfg) if k in theirs}
-        client.kv_set(run, {SETTINGS_KEY: digests[src].encode(), ROLLOUT_SETTINGS_KEY: json.dumps(rollout, sort_keys=True).encode()})
+        _keep(client, run, digests[src], theirs)
     whose = "those it ran with so far" if known == digests[src] else f"{shared} of {len(digests)} ranks'"
     if rank in odd:
         raise ConfigError(
@@ -80,8 +79,11 @@ def check_same_settings(cfg: NodeConfig, rank: int, client: SchedulerClient) -> 
               "the others go on without them", ", ".join(map(str, odd)))
 
 
-def _rollout_json(cfg: NodeConfig) -> bytes:
-    return json.dumps(rollout_settings(cfg), sort_keys=True).encode()
+def _keep(client: SchedulerClient, run: str, digest: str, settings: dict) -> None:
+    """The run's settings, as the world agreed on them: their digest, and what of them a rollout
+    worker must share."""
+    rollout = json.dumps(rollout_settings(settings), sort_keys=True).encode()
+    client.kv_set(run, {SETTINGS_KEY: digest.encode(), ROLLOUT_SETTINGS_KEY: rollout})
 
 
 def check_rollout_worker(cfg: NodeConfig, client: SchedulerClient) -> None:
@@ -92,7 +94,7 @@ def check_rollout_worker(cfg: NodeConfig, client: SchedulerClient) -> None:
     (raw,) = client.kv_get(workers_run(cfg.run.run_id), [ROLLOUT_SETTINGS_KEY])
     if raw is None:
         return
-    theirs, mine = json.loads(raw), rollout_settings(cfg)
+    theirs, mine = json.loads(raw), rollout_settings(run_settings(cfg))
     if mine != theirs:
         raise ConfigError(
             f"this rollout worker's config differs from the trainer's of run {cfg.run.run_id!r}: "

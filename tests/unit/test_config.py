@@ -200,7 +200,7 @@ def test_the_launcher_refuses_an_incomplete_hf_model_directory_before_anything_s
 
 
 def test_a_rollout_worker_shares_what_plays_and_scores_episodes_not_the_trainers_own():
-    from elasticrl.config.node import rollout_settings
+    from elasticrl.config.node import rollout_settings, run_settings
     from elasticrl.train.same_config import ROLLOUT_SETTINGS_KEY, check_rollout_worker
 
     trainer = load_config(None, parse_overrides(["--run.run_id=demo", "--run.iterations=99", "--trainer.lr=0.5"]))
@@ -211,8 +211,8 @@ def test_a_rollout_worker_shares_what_plays_and_scores_episodes_not_the_trainers
             return [kept.get((run, k)) for k in keys]
 
     check_rollout_worker(trainer, KV())  # nothing kept yet (the trainer has not agreed on its settings): no check
-    kept[("demo.workers", ROLLOUT_SETTINGS_KEY)] = json.dumps(rollout_settings(trainer)).encode()
-    assert "model.d_model" in rollout_settings(trainer) and "trainer.lr" not in rollout_settings(trainer)
+    kept[("demo.workers", ROLLOUT_SETTINGS_KEY)] = json.dumps(rollout_settings(run_settings(trainer))).encode()
+    assert "model.d_model" in rollout_settings(run_settings(trainer)) and "trainer.lr" not in rollout_settings(run_settings(trainer))
     # The trainer's own settings, and per-node ones, may differ.
     check_rollout_worker(load_config(None, parse_overrides(["--run.run_id=demo", "--task.path=/elsewhere", "--rollout.slots=3"])), KV())
     worker = load_config(None, parse_overrides(["--run.run_id=demo", "--algorithm.rewards=exact_match", "--env.max_turns=3"]))
@@ -220,7 +220,7 @@ def test_a_rollout_worker_shares_what_plays_and_scores_episodes_not_the_trainers
         check_rollout_worker(worker, KV())
     # Under model.kind = hf the tiny policy's sizes say nothing (found in review: they were compared).
     hf = ["--run.run_id=demo", "--model.kind=hf", "--model.path=/m"]
-    kept[("demo.workers", ROLLOUT_SETTINGS_KEY)] = json.dumps(rollout_settings(load_config(None, parse_overrides(hf)))).encode()
+    kept[("demo.workers", ROLLOUT_SETTINGS_KEY)] = json.dumps(rollout_settings(run_settings(load_config(None, parse_overrides(hf))))).encode()
     check_rollout_worker(load_config(None, parse_overrides([*hf, "--model.d_model=32", "--model.path=/elsewhere"])), KV())
 
 
