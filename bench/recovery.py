@@ -1,6 +1,6 @@
 """Losing a node mid-run: iterations redone, time to training again, and what snapshots cost.
 
-Two sections, one run:
+Two sections (``--sections``), one run:
 
 * ``snapshot``: the per-iteration snapshot of a ``--state-gb`` GB state dict on the CPU (fp32
   tensors of 64 MiB), replicated as under DDP, on one rank of a world of ``--world``: its shard (the
@@ -8,7 +8,10 @@ Two sections, one run:
   written to host memory (``/dev/shm``) with torch.distributed.checkpoint (``shards.write_shard``,
   in the background), and read back whole from the shards of the world; against the baseline
   measured in the same run, the full state on every node (a ``clone`` of all of it, then the
-  files of a checkpoint). Each in GB/s of the bytes it moves.
+  files of a checkpoint), and the shard written by DCP's own safetensors writer (``dcp.save`` with
+  ``HuggingFaceStorageWriter``, what ``write_shard`` used before it streamed). Each in GB/s of the
+  bytes it moves, with the longest the GIL kept a 10 ms ticker thread waiting meanwhile (``stall``:
+  what a keep-alive thread of the process would have waited).
 * ``demo``: ``elasticrl run`` of the bundled demo with 3 nodes (lease ``--lease-ttl``, 5 s), once
   undisturbed, then per ``--phases`` entry with the last node SIGKILLed (agent and worker) during
   that phase of iteration ``--kill-at`` (rollout, update, or checkpoint: while a checkpoint is
@@ -27,6 +30,7 @@ Two sections, one run:
 
     python bench/recovery.py                           # ~10 min on 2 cores
     python bench/recovery.py --state-gb 0.25 --phases update --json-out /tmp/recovery.json
+    python bench/recovery.py --sections snapshot --state-gb 2   # the snapshot section alone (~1 min)
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -48,6 +53,45 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 
 from bench.benchmain import BenchError, run_main  # noqa: E402
+
+
+class Stall:
+    """The longest gap between the wake-ups of a thread that sleeps 10 ms at a time, over a ``with``
+    block: how long the block kept the GIL from the process's other threads (a keep-alive)."""
+
+    def __enter__(self):
+        self.longest, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._thread.start()
+        return self
+
+    def _tick(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(0.01):
+            now = time.perf_counter()
+            self.longest, last = max(self.longest, now - last - 0.01), now
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed(fn) -> tuple[float, float]:
+    """Seconds ``fn()`` took and its ``Stall``."""
+    with Stall() as stall:
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+    return seconds, stall.longest
+
+
+def dcp_write(chunks: dict, directory: str) -> None:
+    """The baseline: the whole tensors of ``chunks`` through DCP's own safetensors writer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    dcp.save({k: c.tensor for k, c in chunks.items()}, storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
+             no_dist=True)
 
 
 def snapshot_cost(state_gb: float, world: int) -> dict:
@@ -75,20 +119,19 @@ def snapshot_cost(state_gb: float, world: int) -> dict:
         chunks = {k: Chunk.whole(v, replicated=True) for k, v in state.items()}
         shards = os.path.join(directory, "shards")
         os.makedirs(shards)
-        t0 = time.perf_counter()
-        header, payload = pack(own_part(chunks, 0, world))
-        stage_s = time.perf_counter() - t0
-        shard_bytes = payload.numel()
-        t0 = time.perf_counter()
-        write_shard(unpack(header, payload), os.path.join(shards, "shard-00000.safetensors"))
-        shard_write_s = time.perf_counter() - t0
-        del header, payload
+        staged = {}
+        stage_s, stage_stall = timed(lambda: staged.update(zip(("header", "payload"), pack(own_part(chunks, 0, world)))))
+        shard_bytes = staged["payload"].numel()
+        own = unpack(staged["header"], staged["payload"])
+        shard_write_s, shard_write_stall = timed(lambda: write_shard(own, os.path.join(shards, "shard-00000.safetensors")))
+        dcp_dir = os.path.join(directory, "dcp")
+        dcp_write_s, dcp_write_stall = timed(lambda: dcp_write(own, dcp_dir))
+        shutil.rmtree(dcp_dir)
+        del staged, own
         for rank in range(1, world):  # the others' shards, for the read-back
             write_shard(own_part(chunks, rank, world), os.path.join(shards, f"shard-{rank:05d}.safetensors"))
         dest = {k: Chunk.whole(torch.empty_like(v)) for k, v in state.items()}
-        t0 = time.perf_counter()
-        read_shards(shards, dest)
-        read_s = time.perf_counter() - t0
+        read_s, read_stall = timed(lambda: read_shards(shards, dest))
         assert all(torch.equal(dest[k].tensor, v) for k, v in state.items()), "the shards did not read back"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -98,9 +141,12 @@ def snapshot_cost(state_gb: float, world: int) -> dict:
 
     return {"bytes": size, "where": root, "world": world, "shard_bytes": shard_bytes,
             "clone_s": round(clone_s, 3), "clone_gb_s": rate(size, clone_s), "write_s": round(write_s, 3), "write_gb_s": rate(size, write_s),
-            "stage_s": round(stage_s, 3), "stage_gb_s": rate(shard_bytes, stage_s),
+            "stage_s": round(stage_s, 3), "stage_gb_s": rate(shard_bytes, stage_s), "stage_stall_s": round(stage_stall, 3),
             "shard_write_s": round(shard_write_s, 3), "shard_write_gb_s": rate(shard_bytes, shard_write_s),
-            "read_s": round(read_s, 3), "read_gb_s": rate(size, read_s)}
+            "shard_write_stall_s": round(shard_write_stall, 3),
+            "dcp_write_s": round(dcp_write_s, 3), "dcp_write_gb_s": rate(shard_bytes, dcp_write_s),
+            "dcp_write_stall_s": round(dcp_write_stall, 3),
+            "read_s": round(read_s, 3), "read_gb_s": rate(size, read_s), "read_stall_s": round(read_stall, 3)}
 
 
 def demo_run(tmp: pathlib.Path, case: dict, args) -> dict:
@@ -199,8 +245,10 @@ def cases(args) -> list[dict]:
 
 
 def run(args, tmp: pathlib.Path) -> dict:
-    doc = {"snapshot": snapshot_cost(args.state_gb, args.world), "lease_ttl_s": args.lease_ttl, "demo": []}
-    for case in cases(args):
+    sections = args.sections.split(",")
+    doc = {"snapshot": snapshot_cost(args.state_gb, args.world) if "snapshot" in sections else None,
+           "lease_ttl_s": args.lease_ttl, "demo": []}
+    for case in cases(args) if "demo" in sections else []:
         print(f"bench/recovery.py: {case['label']} ...", file=sys.stderr, flush=True)
         doc["demo"].append(demo_run(tmp, case, args))
     return doc
@@ -208,13 +256,20 @@ def run(args, tmp: pathlib.Path) -> dict:
 
 def render(doc: dict) -> str:
     s = doc["snapshot"]
-    lines = [
+    lines = [] if s is None else [
         (f"snapshot of {s['bytes'] / 2**30:.2f} GiB on the CPU, one rank of a world of {s['world']} "
          f"(its shard {s['shard_bytes'] / 2**30:.2f} GiB): stage {s['stage_s']:.3f} s ({s['stage_gb_s']} GB/s, on the critical "
-         f"path); DCP write to {s['where']} {s['shard_write_s']:.3f} s ({s['shard_write_gb_s']} GB/s, in the background); "
-         f"read back whole from {s['world']} shards {s['read_s']:.3f} s ({s['read_gb_s']} GB/s)"),
+         f"path; stall {s['stage_stall_s']:.3f} s); write to {s['where']} {s['shard_write_s']:.3f} s ({s['shard_write_gb_s']} GB/s, "
+         f"in the background; stall {s['shard_write_stall_s']:.3f} s); read back whole from {s['world']} shards {s['read_s']:.3f} s "
+         f"({s['read_gb_s']} GB/s; stall {s['read_stall_s']:.3f} s)"),
         (f"  baseline, the full state on every node: copy {s['clone_s']:.3f} s ({s['clone_gb_s']} GB/s, on the critical path); "
          f"checkpoint files {s['write_s']:.3f} s ({s['write_gb_s']} GB/s, in the background)"),
+        (f"  baseline, the shard through DCP's safetensors writer: {s['dcp_write_s']:.3f} s ({s['dcp_write_gb_s']} GB/s; "
+         f"stall {s['dcp_write_stall_s']:.3f} s)"),
+    ]
+    if not doc["demo"]:
+        return "\n".join(lines)
+    lines += [
         (f"lease TTL {doc['lease_ttl_s']:g} s; 'ready s': from the kill until both survivors resumed training; 'snapshot': its "
          "share of the iteration (on the critical path), 'exchange': the buddy exchange's part of it"),
         (f"{'run':<26} {'redone':>6} {'resumed':>8} {'ready s':>8} {'gap s':>6} {'iter s':>7} {'snapshot':>9} {'exchange':>9} "
@@ -243,6 +298,7 @@ def render(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state-gb", type=float, default=1.0, help="size of the state dict of the snapshot section, GB (default: %(default)s)")
+    p.add_argument("--sections", default="snapshot,demo", help="comma-separated: snapshot, demo (default: %(default)s)")
     p.add_argument("--world", type=int, default=3, help="ranks the snapshot section's state is sharded over (default: %(default)s)")
     p.add_argument("--strategy", choices=["ddp", "deepspeed", "fsdp2"], default="ddp",
                    help="trainer.strategy of the demo runs (deepspeed: ZeRO-2) (default: %(default)s)")

@@ -30,20 +30,36 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack(chunks: dict[str, Chunk]) -> tuple[dict, torch.Tensor]:
+def pack(chunks: dict[str, Chunk], into: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
     """The chunks as a header ({name, dtype, shape, offsets, size, start, nbytes} each) and one
-    uint8 payload (a copy: the staged tensors stay as they are)."""
+    uint8 payload (a copy: the staged tensors stay as they are).
+
+    ``into``: a CPU uint8 buffer to copy into, if it is large enough (the payload is then its
+    first bytes); else a new one, pinned when a chunk is on a GPU (a copy to pageable memory runs
+    at a fraction of the link's speed: 3 s for a 240M-parameter model's 2.9 GB of state on an H200)."""
     entries, start = [], 0
     for name, c in chunks.items():
         start = -(-start // ALIGN) * ALIGN
         entries.append({"name": name, "dtype": str(c.tensor.dtype).removeprefix("torch."), "shape": list(c.tensor.shape),
                         "offsets": list(c.offsets), "size": list(c.size), "start": start, "nbytes": c.nbytes})
         start += c.nbytes
-    payload = torch.empty(start, dtype=torch.uint8)
+    if into is not None and into.numel() >= start:
+        payload = into[:start]
+    else:
+        payload = _buffer(start, pinned=any(c.tensor.is_cuda for c in chunks.values()))
     for entry, c in zip(entries, chunks.values()):
         if entry["nbytes"]:
             payload[entry["start"]:entry["start"] + entry["nbytes"]].copy_(_bytes_of(c.tensor))  # from any device
     return {"chunks": entries}, payload
+
+
+def _buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    if pinned:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # out of pinnable memory: pageable is slower, not wrong
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def unpack(header: dict, payload: torch.Tensor) -> dict[str, Chunk]:

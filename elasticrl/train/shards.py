@@ -2,46 +2,58 @@
 
 A shard is a flat dict of named ``Chunk``s: pieces of whole tensors, each with its offset in the
 whole tensor (a DTensor's local shard, a slice of a ZeRO partition, or a whole replicated tensor).
-``write_shard`` saves one with ``dcp.save`` into a single safetensors file; ``read_shards`` loads
-any set of chunks (another world's cut) from the shards of a whole world with ``dcp.load``, which
-reads the overlapping parts of the saved chunks: that is the resharding.
+``write_shard`` saves one as a single safetensors file in the layout of DCP's safetensors storage
+(streamed by ``write_safetensors``, not through ``dcp.save``); ``read_shards`` loads any set of
+chunks (another world's cut) from the shards of a whole world with ``dcp.load``, which reads the
+overlapping parts of the saved chunks: that is the resharding.
 
 Three choices keep DCP within the project's rules:
 
 * **No pickle on disk.** DCP's default ``FileSystemWriter`` pickles its ``.metadata`` and
-  ``torch.save``s non-tensor values. The shards use DCP's safetensors storage instead
-  (``HuggingFaceStorageWriter``/``Reader``, ``save_distributed``): every file records its chunks'
-  offsets in its JSON header (``DCP_SHARDING_INFO``), and the reader rebuilds DCP's ``Metadata`` from
-  the headers of the files in the directory, so there is no metadata file at all. Shards hold
+  ``torch.save``s non-tensor values. The shards use DCP's safetensors layout instead (what its
+  ``HuggingFaceStorageWriter`` writes with ``save_distributed``, read by its Reader): every file
+  records its chunks' offsets in its JSON header (``DCP_SHARDING_INFO``), and the reader rebuilds
+  DCP's ``Metadata`` from the headers of the files in the directory, so there is no metadata file
+  at all. Shards hold
   tensors only; everything else goes into a JSON file beside them (``snapshot.py``).
 * **No pickle over the wire.** ``dcp.save``/``dcp.load`` plan collectively with
   ``gather_object``/``scatter_object``, which pickle; every call here is ``no_dist=True`` (each
   rank saves and loads by itself) and the ranks agree through JSON collectives instead (who owns a
   replicated tensor: ``owners``, a pure function of names and sizes, like DCP's own dedup).
 * **Any cut.** DCP's planners know whole tensors, DTensors and ShardedTensors; a ZeRO-1/2
-  partition slices each parameter *flattened*, which neither describes. ``ChunkSavePlanner`` and
-  ``ChunkLoadPlanner`` extend DCP's default planners (its documented extension point) with the
-  one thing they lack, a chunk at a given offset, and leave the read planning to DCP's
-  ``create_read_items_for_chunk_list``.
+  partition slices each parameter *flattened*, which neither describes. The writer records each
+  chunk's offset itself, and ``ChunkLoadPlanner`` extends DCP's default load planner (its
+  documented extension point) with the one thing it lacks, a chunk at a given offset, and leaves
+  the read planning to DCP's ``create_read_items_for_chunk_list``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import math
 import os
-import shutil
+import struct
 import warnings
 from collections.abc import Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import _TYPES as _SAFETENSORS_NAMES  # the names its reader maps back (DCP's reader uses them too)
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint._hf_utils import (
+    CUSTOM_METADATA_KEY,
+    DCP_VERSION_KEY,
+    FORMAT_KEY,
+    FORMAT_VALUE,
+    HF_DCP_VERSION,
+    SAVED_OFFSETS_KEY,
+)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from elasticrl.errors import ElasticRLError
@@ -50,6 +62,7 @@ from elasticrl.errors import ElasticRLError
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 SUFFIX = ".safetensors"
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_NAMES.items()}
 
 
 class ShardError(ElasticRLError):
@@ -110,31 +123,6 @@ def own_part(chunks: Mapping[str, Chunk], rank: int, world_size: int) -> dict[st
     return {name: c for name, c in chunks.items() if not c.replicated or owner[name] == rank}
 
 
-class ChunkSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner over a flat dict of ``Chunk``s: one write item per chunk."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, c in self.state_dict.items():
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size(c.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=c.tensor.size()),
-                    properties=TensorProperties.create_from_tensor(c.tensor),
-                    size=torch.Size(c.size),
-                ),
-            ))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.state_dict[write_item.index.fqn].tensor.detach().cpu().contiguous()
-
-
 class ChunkLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner into a flat dict of ``Chunk``s: DCP finds the saved chunks each
     destination overlaps and reads those parts into ``Chunk.tensor`` in place."""
@@ -168,27 +156,52 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
 def write_shard(chunks: Mapping[str, Chunk], path: str) -> int:
     """Save ``chunks`` as the safetensors file ``path`` (written aside, then renamed into place, so
-    a file under its final name is complete); returns its size in bytes."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    a file under its final name is complete); returns its size in bytes.
+
+    The file is what DCP's ``HuggingFaceStorageWriter`` writes (each chunk under its name, its
+    offset in ``DCP_SHARDING_INFO``), but streamed: the header, then each tensor's bytes straight
+    from its memory. DCP's writer first serializes the whole shard into one bytes object with
+    ``safetensors.torch.save``, which holds the GIL throughout (3 s for 1 GiB here: a snapshot write
+    in the background starved the keep-alive thread, and a 240M-parameter model's node lost its
+    lease) and needs a second copy of the shard in memory."""
     # An empty piece of a tensor that is not empty holds nothing, and DCP's reader indexes pieces
     # by (name, offset): at another rank's piece's offset it would hide that piece.
     chunks = {k: c for k, c in chunks.items() if c.tensor.numel() or not math.prod(c.size)}
+    sharding = {name: {SAVED_OFFSETS_KEY: list(c.offsets)} for name, c in chunks.items()}
+    metadata = {CUSTOM_METADATA_KEY: json.dumps(sharding), DCP_VERSION_KEY: str(HF_DCP_VERSION), FORMAT_KEY: FORMAT_VALUE}
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        if chunks:
-            writer = HuggingFaceStorageWriter(tmp, save_distributed=True)
-            dcp.save(dict(chunks), storage_writer=writer, planner=ChunkSavePlanner(), no_dist=True)
-            (written,) = glob.glob(os.path.join(tmp, "*" + SUFFIX))
-        else:  # a rank that owns nothing still leaves a (readable, empty) file
-            from safetensors.torch import save_file
-
-            written = os.path.join(tmp, "empty" + SUFFIX)
-            save_file({}, written)
-        os.rename(written, path)
+        write_safetensors(tmp, {name: c.tensor for name, c in chunks.items()}, metadata)
+        os.rename(tmp, path)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return os.path.getsize(path)
+
+
+def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """A safetensors file of ``tensors`` (any device) with ``metadata``, fsynced. Each tensor is
+    copied to the CPU (if it is not there) and written from its own memory: the GIL is released
+    while the bytes go out, and no serialized copy of the whole file is made."""
+    header: dict = {"__metadata__": dict(metadata)}
+    start = 0
+    for name, t in tensors.items():
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ShardError(f"tensor {name!r}: dtype {t.dtype} cannot be saved in a safetensors file")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + nbytes]}
+        start += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            if t.numel():
+                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from elasticrl.errors import ElasticRLError
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.shard_wire import all_ok, from_json_blob, json_blob, pack, swap, unpack
@@ -99,6 +101,7 @@ class Snapshots:
         self.timeout_s = timeout_s
         self._taken: Taken | None = None
         self._writing: BackgroundCall | None = None
+        self._buffer: torch.Tensor | None = None  # the staged copy's memory, reused once its write is done
         # The main thread takes and writes; the SIGTERM watchdog (train.stop) may flush while the
         # main thread is stuck in a collective, or wait here while it flushes itself.
         self._lock = threading.RLock()
@@ -133,7 +136,11 @@ class Snapshots:
             self.write_pending()  # a taken snapshot is never dropped unwritten
             self.wait(self.timeout_s)
             sid = SnapshotId(iteration, self.generation, self.world_size)
-            header, payload = pack(own_part(state, self.rank, self.world_size))  # the one copy
+            # The one copy, into the buffer of the last snapshot (written by now: the wait above)
+            # when it is large enough: its pages are mapped (and pinned, from a GPU) already.
+            header, payload = pack(own_part(state, self.rank, self.world_size), into=self._buffer)
+            if self._buffer is None or payload.numel() > self._buffer.numel():  # a new one
+                self._buffer = payload
             doc = {"format_version": FORMAT_VERSION, "snapshot": sid.name, "iteration": iteration,
                    "generation": self.generation, "world_size": self.world_size, "shard": self.rank,
                    "node": self.node, "bytes": payload.numel(), "meta": meta, "metrics": dict(metrics)}

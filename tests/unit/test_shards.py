@@ -1,7 +1,8 @@
 """Shards through torch.distributed.checkpoint in one process: chunks saved with one cut load into
 another (rows of a matrix, slices of a flattened tensor as ZeRO cuts them), a missing shard or a
-changed shape is an error rather than garbage, the wire format round-trips, and a node's
-``Snapshots`` (no buddies) writes, keeps and prunes as it should."""
+changed shape is an error rather than garbage, a shard file is streamed in the layout DCP's reader
+reads, the wire format round-trips, and a node's ``Snapshots`` (no buddies) writes, keeps, prunes
+and reuses its staging memory as it should."""
 
 from __future__ import annotations
 
@@ -82,6 +83,56 @@ def test_the_wire_format_round_trips_dtypes_shapes_and_offsets():
     for name, c in chunks.items():
         assert back[name].tensor.dtype == c.tensor.dtype and torch.equal(back[name].tensor, c.tensor)
         assert (back[name].offsets, back[name].size) == (c.offsets, c.size)
+
+
+def test_a_shard_is_streamed_in_the_layout_dcp_reads_without_serializing_it_in_memory(tmp_path, monkeypatch):
+    import safetensors.torch
+    from safetensors import safe_open
+
+    def no_serialize(*args, **kwargs):  # DCP's writer: the whole file as one bytes object, GIL held
+        raise AssertionError("a shard must not be serialized in memory")
+
+    monkeypatch.setattr(safetensors.torch, "save", no_serialize)
+    chunks = {"bf": Chunk(torch.randn(3, 4).to(torch.bfloat16), (3, 0), (9, 4)), "s": Chunk.whole(torch.tensor(2.5)),
+              "i": Chunk.flat(torch.arange(5), 10, 40), "b": Chunk.whole(torch.tensor([True, False, True])),
+              "h": Chunk.whole(torch.randn(2, 3)[:, 1:].to(torch.float16)),  # not contiguous
+              "none": Chunk.whole(torch.empty(0, 4))}
+    path = tmp_path / "shard-00000.safetensors"
+    assert write_shard(chunks, str(path)) == path.stat().st_size
+    assert os.listdir(tmp_path) == [path.name]  # nothing left aside
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0  # the data starts aligned, as safetensors itself writes
+    with safe_open(str(path), framework="pt") as f:  # safetensors' own reader checks the layout
+        sharding = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+        assert sharding == {n: {"saved_offsets": list(c.offsets)} for n, c in chunks.items()}
+        for name, c in chunks.items():
+            assert f.get_tensor(name).dtype == c.tensor.dtype and torch.equal(f.get_tensor(name), c.tensor)
+    # One shard alone tells a tensor's size only up to its own chunk's end (DCP's layout too).
+    ends = {n: (tuple(o + k for o, k in zip(c.offsets, c.tensor.shape)), c.tensor.dtype) for n, c in chunks.items()}
+    assert saved_tensors(str(tmp_path)) == ends
+    # (DCP's reader and its resharding over such files: every other test here reads them.)
+    with pytest.raises(ShardError, match="tensor 'c': dtype torch.complex128"):
+        write_shard({"c": Chunk.whole(torch.zeros(2, dtype=torch.complex128))}, str(tmp_path / "shard-00001.safetensors"))
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_snapshot_stages_into_the_last_ones_buffer_once_that_one_is_written(tmp_path):
+    snaps = Snapshots(str(tmp_path), rank=0, world_size=1, generation=1, nodes=["a"])
+    state = {"w": Chunk.whole(W.clone(), replicated=True)}
+
+    def on_disk(iteration: int) -> torch.Tensor:
+        dest = {"w": Chunk.whole(torch.empty(7, 5))}
+        read_shards(str(tmp_path / SnapshotId(iteration, 1, 1).name), dest)
+        return dest["w"].tensor
+
+    snaps.take(1, state, {}, {"iteration": 1})
+    first = snaps._taken.own["w"].tensor.data_ptr()
+    state["w"].tensor.add_(100)
+    snaps.take(2, state, {}, {"iteration": 2})  # writes 1 first, then stages 2 into the same memory
+    assert snaps._taken.own["w"].tensor.data_ptr() == first
+    assert torch.equal(on_disk(1), W)  # written whole before its memory was taken again
+    snaps.flush()
+    assert torch.equal(on_disk(2), W + 100)
 
 
 def test_a_node_without_buddies_keeps_the_previous_snapshot_until_the_next_is_written(tmp_path):
