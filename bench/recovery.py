@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -53,36 +52,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 
 from bench.benchmain import BenchError, run_main  # noqa: E402
-
-
-class Stall:
-    """The longest gap between the wake-ups of a thread that sleeps 10 ms at a time, over a ``with``
-    block: how long the block kept the GIL from the process's other threads (a keep-alive)."""
-
-    def __enter__(self):
-        self.longest, self._stop = 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._tick, daemon=True)
-        self._thread.start()
-        return self
-
-    def _tick(self) -> None:
-        last = time.perf_counter()
-        while not self._stop.wait(0.01):
-            now = time.perf_counter()
-            self.longest, last = max(self.longest, now - last - 0.01), now
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def timed(fn) -> tuple[float, float]:
-    """Seconds ``fn()`` took and its ``Stall``."""
-    with Stall() as stall:
-        t0 = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - t0
-    return seconds, stall.longest
+from bench.gil import timed  # noqa: E402
 
 
 def dcp_write(chunks: dict, directory: str) -> None:

@@ -12,6 +12,11 @@ workers holds the version verified; the median over the repeats is reported.
   sources (``LocateWeights``); each worker reads behind the previous one and serves what it has
   on, a pipeline trainer -> w1 -> ... -> wK.
 
+Before the transfer, the blob's codec on the trainer and on a worker: ``pack_state_dict`` /
+``unpack_state_dict`` of a state of fp32 tensors of 16 MiB (``--mb`` in all) against
+``safetensors.torch.save`` / ``load`` in the same run, in seconds and the longest each kept the GIL
+from a 10 ms ticker thread (the trainer publishes in the background beside its lease keep-alive).
+
 Also reported: the most bytes any one process sent per version (from the workers' record of
 their sources: the coordinator sends K copies, a relay holder at most one) and the coordinator's
 peak RSS. On one host every worker shares the same CPUs, so the relay's hashing and copying grow
@@ -41,6 +46,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 
 from bench.benchmain import BenchError, run_main  # noqa: E402
+from bench.gil import timed  # noqa: E402
 from bench.scheduler_procs import Coordinator, child_env, log, process_cpu_s, process_rss_mb, stop_process  # noqa: E402
 
 WORKER = BENCH_DIR / "weights_worker.py"
@@ -176,6 +182,7 @@ def run(args, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
 
     # A safetensors file, like a policy's (the coordinator path checks the format), of random bytes.
     blob = pack_state_dict({"weight": torch.frombuffer(bytearray(os.urandom(args.mb << 20)), dtype=torch.uint8)})
+    codec = measure_codec(args.mb)
     rows = []
     for path in paths:
         for k in ks:
@@ -190,8 +197,25 @@ def run(args, tmp: pathlib.Path, cleanup: contextlib.ExitStack) -> dict:
     return {
         "config": {"mb": args.mb, "workers": ks, "repeats": args.repeats},
         "host": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
-        "weights": rows, "summary": summary,
+        "codec": codec, "weights": rows, "summary": summary,
     }
+
+
+def measure_codec(mb: int) -> dict:
+    import torch
+    from safetensors.torch import load, save
+
+    from elasticrl.scheduler.weights import pack_state_dict, unpack_state_dict
+
+    state = {f"t{i}": torch.randn(4 << 20) for i in range(max(1, mb // 16))}
+    out, blobs = {}, {}
+    for name, fn in (("pack", lambda: blobs.update(ours=pack_state_dict(state))),
+                     ("safetensors_save", lambda: blobs.update(theirs=save(state))),
+                     ("unpack", lambda: unpack_state_dict(blobs["ours"])),
+                     ("safetensors_load", lambda: load(blobs["theirs"]))):
+        seconds, stall = timed(fn)
+        out[name] = {"seconds": round(seconds, 3), "stall_s": round(stall, 3)}
+    return out
 
 
 def render(doc: dict) -> str:
@@ -212,6 +236,10 @@ def render(doc: dict) -> str:
         out.append(f"{r['path']:<12} {r['workers']:>3} {r['seconds']:>8.2f} {r['bytes'] / 1e9 / r['seconds']:>15.2f} "
                    f"{f(r['busiest_sender_mb'], '.0f'):>18} {f(r['worker_cpu_s'], '.2f'):>12} {f(r['total_cpu_s'], '.2f'):>11} "
                    f"{f(r['coordinator_peak_rss_mb'], '.0f'):>17}  {chain}")
+    codec = doc.get("codec")
+    if codec:
+        out.append("codec (s, and the longest the GIL was held from a ticker thread): " + "; ".join(
+            f"{name} {r['seconds']:.2f} s (stall {r['stall_s']:.3f} s)" for name, r in codec.items()))
     s = doc.get("summary", {})
     if "relay_growth" in s:
         out.append(f"relay seconds(K={max(c['workers'])}) / seconds(K={min(c['workers'])}) = {s['relay_growth']:.2f} (goal <= 1.5)")

@@ -45,6 +45,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, BinaryIO
 
+from elasticrl import tensorfile
 from elasticrl.coordinator import validate as v
 from elasticrl.coordinator.signals import Signals
 from elasticrl.errors import FencedError, InvalidRequestError, ResourceLimitError
@@ -468,28 +469,23 @@ def _sha256_of(f: BinaryIO) -> str:
 # -- helpers for the trainer and the workers --------------------------------------------------------
 
 
-def pack_state_dict(state: Mapping[str, "torch.Tensor"], metadata: Mapping[str, str] | None = None) -> bytes:
-    """A safetensors blob of ``state`` (tensors moved to CPU and made contiguous; tensors that
-    share storage, like tied embeddings, are stored once each as copies)."""
+def pack_state_dict(state: Mapping[str, "torch.Tensor"], metadata: Mapping[str, str] | None = None) -> memoryview:
+    """A safetensors blob of ``state`` (tensors on any device; tensors that share storage, like
+    tied embeddings, are each stored whole), built by ``tensorfile.to_buffer``: without holding the
+    GIL, which ``safetensors.torch.save`` does for seconds per GiB (the trainer's lease keep-alive
+    runs beside the background publish). Bytes-like: ``len``, slices, ``bytes(blob)``, buffers."""
     import torch
-    from safetensors.torch import save
 
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state[{name!r}]: {type(tensor).__name__} is not a tensor; pass a state_dict of tensors")
-        t = tensor.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key in seen or t.untyped_storage().nbytes() != t.nbytes:
-            t = t.clone()  # safetensors refuses tensors that share memory
-        seen.add(key)
-        tensors[name] = t
-    return save(tensors, metadata=dict(metadata) if metadata else None)
+    return tensorfile.to_buffer(state, metadata)
 
 
 def unpack_state_dict(blob: bytes | bytearray | memoryview) -> dict[str, "torch.Tensor"]:
-    """The tensors of a ``pack_state_dict`` blob, on CPU (safetensors only; nothing executes)."""
-    from safetensors.torch import load
+    """The tensors of a ``pack_state_dict`` blob, on CPU (safetensors only; nothing executes),
+    copied out without holding the GIL (``tensorfile.from_buffer``).
 
-    return load(bytes(blob))
+    Raises:
+        TensorFileError: not a safetensors blob (a ValueError)."""
+    return tensorfile.from_buffer(blob)[0]

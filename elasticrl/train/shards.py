@@ -3,7 +3,7 @@
 A shard is a flat dict of named ``Chunk``s: pieces of whole tensors, each with its offset in the
 whole tensor (a DTensor's local shard, a slice of a ZeRO partition, or a whole replicated tensor).
 ``write_shard`` saves one as a single safetensors file in the layout of DCP's safetensors storage
-(streamed by ``write_safetensors``, not through ``dcp.save``); ``read_shards`` loads any set of
+(streamed by ``elasticrl.tensorfile``, not through ``dcp.save``); ``read_shards`` loads any set of
 chunks (another world's cut) from the shards of a whole world with ``dcp.load``, which reads the
 overlapping parts of the saved chunks: that is the resharding.
 
@@ -34,13 +34,11 @@ import glob
 import json
 import math
 import os
-import struct
 import warnings
 from collections.abc import Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import _TYPES as _SAFETENSORS_NAMES  # the names its reader maps back (DCP's reader uses them too)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._hf_utils import (
     CUSTOM_METADATA_KEY,
@@ -56,13 +54,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from elasticrl import tensorfile
 from elasticrl.errors import ElasticRLError
 
 # Every call is no_dist on purpose (see above): DCP's warning that it assumes a single process is noise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 SUFFIX = ".safetensors"
-_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_NAMES.items()}
 
 
 class ShardError(ElasticRLError):
@@ -159,11 +157,11 @@ def write_shard(chunks: Mapping[str, Chunk], path: str) -> int:
     a file under its final name is complete); returns its size in bytes.
 
     The file is what DCP's ``HuggingFaceStorageWriter`` writes (each chunk under its name, its
-    offset in ``DCP_SHARDING_INFO``), but streamed: the header, then each tensor's bytes straight
-    from its memory. DCP's writer first serializes the whole shard into one bytes object with
-    ``safetensors.torch.save``, which holds the GIL throughout (3 s for 1 GiB here: a snapshot write
-    in the background starved the keep-alive thread, and a 240M-parameter model's node lost its
-    lease) and needs a second copy of the shard in memory."""
+    offset in ``DCP_SHARDING_INFO``), but streamed by ``tensorfile.write``: DCP's writer serializes
+    the whole shard in memory first, holding the GIL (see ``elasticrl.tensorfile``).
+
+    Raises:
+        TensorFileError: a chunk's dtype has no safetensors name."""
     # An empty piece of a tensor that is not empty holds nothing, and DCP's reader indexes pieces
     # by (name, offset): at another rank's piece's offset it would hide that piece.
     chunks = {k: c for k, c in chunks.items() if c.tensor.numel() or not math.prod(c.size)}
@@ -171,37 +169,12 @@ def write_shard(chunks: Mapping[str, Chunk], path: str) -> int:
     metadata = {CUSTOM_METADATA_KEY: json.dumps(sharding), DCP_VERSION_KEY: str(HF_DCP_VERSION), FORMAT_KEY: FORMAT_VALUE}
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        write_safetensors(tmp, {name: c.tensor for name, c in chunks.items()}, metadata)
+        tensorfile.write(tmp, {name: c.tensor for name, c in chunks.items()}, metadata)
         os.rename(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return os.path.getsize(path)
-
-
-def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """A safetensors file of ``tensors`` (any device) with ``metadata``, fsynced. Each tensor is
-    copied to the CPU (if it is not there) and written from its own memory: the GIL is released
-    while the bytes go out, and no serialized copy of the whole file is made."""
-    header: dict = {"__metadata__": dict(metadata)}
-    start = 0
-    for name, t in tensors.items():
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise ShardError(f"tensor {name!r}: dtype {t.dtype} cannot be saved in a safetensors file")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + nbytes]}
-        start += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors.values():
-            if t.numel():
-                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -83,6 +83,14 @@ def test_the_weights_bench_moves_a_blob_on_every_path_at_a_toy_size(tmp_path):
     assert rows[("relay", 2)]["sources_last"] == {"w0": ["trainer"], "w1": ["w0"]} or \
         rows[("relay", 2)]["sources_last"] == {"w0": ["w1"], "w1": ["trainer"]}, rows[("relay", 2)]
     assert rows[("relay", 2)]["busiest_sender_mb"] == 4 and rows[("coordinator", 2)]["busiest_sender_mb"] == 8
+    assert set(doc["codec"]) == {"pack", "safetensors_save", "unpack", "safetensors_load"}, doc["codec"]
+
+
+def test_the_recovery_bench_measures_a_snapshot_against_dcps_writer_at_a_toy_size(tmp_path):
+    doc = bench("recovery.py", tmp_path, "--sections", "snapshot", "--state-gb", "0.125", "--world", "2")
+    s = doc["snapshot"]
+    assert doc["demo"] == [] and s["world"] == 2 and 0 < s["shard_bytes"] < s["bytes"], s
+    assert all(s[k] >= 0 for k in ("stage_stall_s", "shard_write_stall_s", "dcp_write_stall_s", "read_stall_s")), s
 
 
 def test_the_coordinator_bench_compares_each_coordinator_row_with_the_baselines_of_the_same_size_and_pattern():

@@ -98,7 +98,7 @@ def test_stale_publish_is_refused_naming_both_versions_and_a_retry_is_fine(sched
 @pytest.mark.timeout(60)
 def test_torn_or_corrupted_uploads_are_refused_and_the_previous_version_is_served(sched, coordinator):
     sched.publish_weights(RUN, 1, small_blob(1))
-    data = pack_state_dict(state_dict(2))
+    data = bytes(pack_state_dict(state_dict(2)))  # a memoryview: protobuf wants bytes
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0xFF
     cases = [

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from elasticrl.tensorfile import TensorFileError
 from elasticrl.train.shard_wire import pack, unpack
 from elasticrl.train.shards import Chunk, ShardError, own_part, owners, read_shards, saved_tensors, write_shard
 from elasticrl.train.snapshot import Snapshots
@@ -111,7 +112,7 @@ def test_a_shard_is_streamed_in_the_layout_dcp_reads_without_serializing_it_in_m
     ends = {n: (tuple(o + k for o, k in zip(c.offsets, c.tensor.shape)), c.tensor.dtype) for n, c in chunks.items()}
     assert saved_tensors(str(tmp_path)) == ends
     # (DCP's reader and its resharding over such files: every other test here reads them.)
-    with pytest.raises(ShardError, match="tensor 'c': dtype torch.complex128"):
+    with pytest.raises(TensorFileError, match="tensor 'c': dtype torch.complex128"):
         write_shard({"c": Chunk.whole(torch.zeros(2, dtype=torch.complex128))}, str(tmp_path / "shard-00001.safetensors"))
     assert os.listdir(tmp_path) == [path.name]
 
