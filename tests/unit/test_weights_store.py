@@ -25,7 +25,7 @@ RUN = "run-a"
 
 def blob_of(seed: int, n: int = 64) -> bytes:
     g = torch.Generator().manual_seed(seed)
-    return pack_state_dict({"w": torch.randn(n, generator=g), "b": torch.full((3,), float(seed))})
+    return bytes(pack_state_dict({"w": torch.randn(n, generator=g), "b": torch.full((3,), float(seed))}))
 
 
 def upload(store: WeightStore, version: int, data: bytes, *, run: str = RUN, chunk: int = 50, sha: str | None = None):
