@@ -34,6 +34,11 @@ class BackgroundCall:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Give the call up to ``timeout_s`` to finish, without re-raising: whether it did."""
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
+
     def wait(self, timeout_s: float) -> float:
         """Join the call within ``timeout_s``; re-raise its failure; ``ElasticRLError`` if it is
         still running then. Returns the seconds spent waiting."""

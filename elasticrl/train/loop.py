@@ -70,9 +70,10 @@ log = logging.getLogger(__name__)
 UPDATE_STATS = ("loss", "clip_fraction", "kl", "grad_norm", "tis_weight_mean", "tis_capped_fraction")
 
 GENERATION_KEY = b"elasticrl/worker-generation"
-# The newest iteration the run finished (rank 0 sets it after each record): a world that resumes
+# The newest iteration the run finished (rank 0 sets it as each is reported): a world that resumes
 # from less says what it does again, and one that finds nothing to resume from says what it lost.
 PROGRESS_KEY = b"elasticrl/last-iteration"
+PROGRESS_HEAD_START_S = 0.5
 
 
 class NodeTrainer(InPlace):
@@ -284,10 +285,12 @@ class NodeTrainer(InPlace):
                      reached, start + 1, reached)
 
     def _record_progress(self, iteration: int) -> None:
-        """Rank 0, after an iteration's record: the run's progress on the coordinator (see
-        ``_say_what_is_done_again``), on a thread of its own, so that a coordinator restarting
-        meanwhile holds up no collective. Best effort: while the last one is still trying, this
-        one is skipped (the next iteration's records the progress)."""
+        """Rank 0, before an iteration is reported: the run's progress on the coordinator (see
+        ``_say_what_is_done_again``), on a thread of its own given ``PROGRESS_HEAD_START_S`` to
+        finish (a millisecond or two) before the report: the node may be killed as soon as the
+        iteration's line is out, and a record still in flight then was lost. A coordinator
+        restarting meanwhile holds up no collective for longer. Best effort: while the last one is
+        still trying, this one is skipped (the next iteration's records the progress)."""
         if self._progress is not None and self._progress.running:
             return
 
@@ -298,6 +301,7 @@ class NodeTrainer(InPlace):
                 log.debug("the run's progress was not recorded on the coordinator: %s", exc)
 
         self._progress = BackgroundCall(record, "elasticrl-progress")
+        self._progress.settle(PROGRESS_HEAD_START_S)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -637,9 +641,9 @@ class NodeTrainer(InPlace):
             # adds the record if nobody wrote it (see _setup), so every finished iteration is on
             # record once. A checkpoint comes after the record (and holds it too).
             metrics = self._iteration(iteration, extra)
-            self._report(metrics)
             if self.world.rank == 0 and updating:  # a rollout phase's iterations stay sealed on the coordinator
                 self._record_progress(iteration)
+            self._report(metrics)
             saving_s = 0.0
             if saving:
                 t0 = time.monotonic()
