@@ -5,8 +5,8 @@ Two sections (``--sections``), one run:
 * ``snapshot``: the per-iteration snapshot of a ``--state-gb`` GB state dict on the CPU (fp32
   tensors of 64 MiB), replicated as under DDP, on one rank of a world of ``--world``: its shard (the
   tensors it owns, ``shards.own_part``) staged into one buffer (the copy on the critical path), then
-  written to host memory (``/dev/shm``) with torch.distributed.checkpoint (``shards.write_shard``,
-  in the background), and read back whole from the shards of the world; against the baseline
+  written to host memory (``/dev/shm``) as a DCP safetensors shard (``shards.write_shard``,
+  streamed, in the background), and read back whole from the shards of the world; against the baseline
   measured in the same run, the full state on every node (a ``clone`` of all of it, then the
   files of a checkpoint), and the shard written by DCP's own safetensors writer (``dcp.save`` with
   ``HuggingFaceStorageWriter``, what ``write_shard`` used before it streamed). Each in GB/s of the
@@ -216,6 +216,8 @@ def cases(args) -> list[dict]:
 
 def run(args, tmp: pathlib.Path) -> dict:
     sections = args.sections.split(",")
+    if not sections or set(sections) - {"snapshot", "demo"}:
+        raise BenchError(f"--sections: {args.sections!r}: each must be snapshot or demo")
     doc = {"snapshot": snapshot_cost(args.state_gb, args.world) if "snapshot" in sections else None,
            "lease_ttl_s": args.lease_ttl, "demo": []}
     for case in cases(args) if "demo" in sections else []:

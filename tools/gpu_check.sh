@@ -7,7 +7,7 @@
 #      multi-turn agent demo (agent), and async RL with a rollout-only worker whose engine runs on
 #      the GPU and takes the weights the trainer publishes (async);
 #   4. the unit tests on a host where CUDA is present (CI has none): a file whose optional package
-#      is missing there (datasets, deepspeed) is reported as a collection error and the rest runs;
+#      is missing there (datasets, shellcheck, kubernetes-validate) fails, and the rest runs;
 #   5. a mid-sized random Llama (hfmid: 16 layers of width MID_WIDTH, default 1024, ~240M
 #      parameters) under FSDP2 with bf16 compute, its GPU memory sampled every 0.5 s;
 #   6. the control-plane benches of issue 18 (streams, barriers) on this machine's cores.

@@ -165,7 +165,7 @@ class SchedulerClient(CoordinatorClient):
         self,
         run_id: str,
         version: int,
-        blob: bytes,
+        blob: bytes | bytearray | memoryview,
         *,
         timeout_s: float | None = None,
         chunk_bytes: int = CHUNK_BYTES,

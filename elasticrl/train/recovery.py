@@ -167,8 +167,7 @@ class Recovery:
         for i, t in enumerate(plan):
             if t.src == rank:
                 for k, suffix in enumerate((".safetensors", ".json")):
-                    with open(os.path.join(directory, shard_file(t.shard, suffix)), "rb") as f:
-                        outgoing.append((t.dst, 2 * i + k, torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)))
+                    outgoing.append((t.dst, 2 * i + k, _read_file(os.path.join(directory, shard_file(t.shard, suffix)))))
             if t.dst == rank:
                 incoming += [(t.src, 2 * i + k, torch.empty(t.sizes[k], dtype=torch.uint8), t.shard, suffix)
                              for k, suffix in enumerate((".safetensors", ".json"))]
@@ -181,7 +180,7 @@ class Recovery:
             path = os.path.join(directory, shard_file(shard, suffix))
             tmp = f"{path}.tmp-{os.getpid()}"
             with open(tmp, "wb") as f:
-                f.write(buf.numpy().tobytes())
+                f.write(memoryview(buf.numpy()))  # from the tensor's memory: no copy holding the GIL
             os.rename(tmp, path)
 
     def _read(self, directory: str, chunks: dict[str, Chunk]) -> None:
@@ -280,3 +279,16 @@ class Recovery:
                 log.warning("could not write the last snapshot: %s", exc)
         self._forget_flush()
 
+
+def _read_file(path: str) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor, read straight into its memory (``bytearray(f.read())``
+    copies the whole shard again, holding the GIL, while the keep-alive thread waits)."""
+    with open(path, "rb", buffering=0) as f:
+        buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        view, got = memoryview(buf.numpy()), 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path}: ended after {got} of its {len(view)} bytes while it was read")  # as _fetch expects
+            got += n
+    return buf

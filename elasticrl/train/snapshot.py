@@ -129,8 +129,9 @@ class Snapshots:
         waited for it in the exchange.
 
         Raises:
-            WireError: the exchange failed (a peer died): the world must re-form. The copies that
-                arrived are kept (``flush`` writes them), but the snapshot is not confirmed.
+            WireError: the exchange failed (a peer died): the world must re-form. No buddy copy
+                is kept (``swap`` gives all or none); ``flush`` writes this rank's own shard, and
+                the snapshot is not confirmed.
         """
         with self._lock:
             self.write_pending()  # a taken snapshot is never dropped unwritten
@@ -138,7 +139,8 @@ class Snapshots:
             sid = SnapshotId(iteration, self.generation, self.world_size)
             # The one copy, into the buffer of the last snapshot (written by now: the wait above)
             # when it is large enough: its pages are mapped (and pinned, from a GPU) already.
-            header, payload = pack(own_part(state, self.rank, self.world_size), into=self._buffer)
+            free = self._buffer if self._writing is None else None
+            header, payload = pack(own_part(state, self.rank, self.world_size), into=free)
             if self._buffer is None or payload.numel() > self._buffer.numel():  # a new one
                 self._buffer = payload
             doc = {"format_version": FORMAT_VERSION, "snapshot": sid.name, "iteration": iteration,
@@ -201,11 +203,18 @@ class Snapshots:
         write_json(os.path.join(directory, shard_file(shard, ".json")), doc)  # last: the shard is complete
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Wait for the write in flight, if any; re-raise its failure."""
+        """Wait for the write in flight, if any; re-raise its failure. A write still running when
+        the wait gives up stays in flight (the next wait waits for it again): its buffer is not
+        free to stage into."""
         with self._lock:
-            writing, self._writing = self._writing, None
-            if writing is not None:
+            writing = self._writing
+            if writing is None:
+                return
+            try:
                 writing.wait(self.timeout_s if timeout_s is None else timeout_s)
+            finally:
+                if not writing.running:
+                    self._writing = None
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Write the last snapshot (with the buddy copies that arrived) and wait for it: before the

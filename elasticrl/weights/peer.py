@@ -479,7 +479,7 @@ def _announce(client, run_id: str, member_id: str, peer: WeightPeer, held: Held)
     peer.announced_at = time.monotonic()
 
 
-def publish(client, run_id: str, member_id: str, peer: WeightPeer, version: int, blob: bytes | bytearray) -> Held:
+def publish(client, run_id: str, member_id: str, peer: WeightPeer, version: int, blob: bytes | bytearray | memoryview) -> Held:
     """Serve ``blob`` as ``version`` from ``peer`` and announce it: the trainer's side.
 
     Announced before it is served: one the coordinator refuses (another blob under a published

@@ -53,7 +53,7 @@ class WeightPublisher(_Endpoint):
         if self.peer is not None:
             log.info("serving policy weights to rollout workers at %s", self.peer.address)
 
-    def publish(self, version: int, blob: bytes | bytearray) -> None:
+    def publish(self, version: int, blob: bytes | bytearray | memoryview) -> None:
         if self.peer is None:
             self.client.publish_weights(self.run_id, version, blob)
         else:

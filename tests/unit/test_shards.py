@@ -136,6 +136,29 @@ def test_a_snapshot_stages_into_the_last_ones_buffer_once_that_one_is_written(tm
     assert torch.equal(on_disk(2), W + 100)
 
 
+def test_a_write_that_outlived_a_wait_keeps_its_buffer_until_it_is_done(tmp_path, monkeypatch):
+    import time
+
+    from elasticrl.errors import ElasticRLError
+    from elasticrl.train import snapshot
+
+    def slow_write(chunks, path):  # a write still running when flush (the SIGTERM watchdog's) gives up
+        time.sleep(0.5)
+        return write_shard(chunks, path)
+
+    monkeypatch.setattr(snapshot, "write_shard", slow_write)
+    snaps = Snapshots(str(tmp_path), rank=0, world_size=1, generation=1, nodes=["a"])
+    state = {"w": Chunk.whole(torch.zeros(7, 5), replicated=True)}
+    snaps.take(1, state, {}, {"iteration": 1})
+    with pytest.raises(ElasticRLError, match="did not finish"):
+        snaps.flush(0.05)
+    state["w"].tensor.fill_(2.0)
+    snaps.take(2, state, {}, {"iteration": 2})  # waits for 1's write before it stages into that memory
+    dest = {"w": Chunk.whole(torch.empty(7, 5))}
+    read_shards(str(tmp_path / SnapshotId(1, 1, 1).name), dest)
+    assert torch.equal(dest["w"].tensor, torch.zeros(7, 5))
+
+
 def test_a_node_without_buddies_keeps_the_previous_snapshot_until_the_next_is_written(tmp_path):
     snaps = Snapshots(str(tmp_path), rank=0, world_size=1, generation=2, nodes=["a"])
     state = {"w": Chunk.whole(W.clone(), replicated=True)}

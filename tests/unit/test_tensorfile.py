@@ -57,6 +57,11 @@ def test_a_blob_reads_back_every_tensor_exactly(seed):
         assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
     header_len = int.from_bytes(blob[:8], "little")
     assert header_len % 8 == 0  # the data starts 8-byte aligned, as safetensors writes
+    header = json.loads(bytes(blob[8:8 + header_len]))  # every tensor aligned to its element size
+    starts = {n: e["data_offsets"][0] for n, e in header.items() if n != "__metadata__"}
+    assert all((8 + header_len + starts[n]) % state[n].element_size() == 0 for n in starts), starts
+    with pytest.raises(TypeError):
+        blob[0] = 0  # read-only: nobody changes a published blob
     assert pack_state_dict(state, {"run": "r", "version": "7"}) == blob  # the same state, the same bytes
 
 
@@ -78,6 +83,10 @@ def test_what_a_safetensors_file_cannot_hold_is_refused_by_name():
         tensorfile.to_buffer({"a": torch.ones(2), "z": torch.zeros(2, dtype=torch.complex128)})
     with pytest.raises(TypeError, match=r"state\['x'\]: list is not a tensor"):
         pack_state_dict({"x": [1, 2]})
+    with pytest.raises(tensorfile.TensorFileError, match="metadata: .* must be strings"):
+        pack_state_dict({"a": torch.ones(1)}, {"version": 7})
+    with pytest.raises(tensorfile.TensorFileError, match="tensor name '__metadata__'"):
+        pack_state_dict({"__metadata__": torch.ones(1)})
     assert unpack_state_dict(pack_state_dict({})) == {}
 
 
@@ -96,7 +105,18 @@ def test_a_blob_that_does_not_add_up_is_refused_naming_what():
         (blob([1, 2]), "not a JSON object"),
         (len(b"{nope").to_bytes(8, "little") + b"{nope", "not JSON"),
         (blob({**header, "a": {**header["a"], "dtype": "F7"}}), "tensor 'a': not a dtype"),
-        (blob({**header, "a": {**header["a"], "shape": [-2]}}), "tensor 'a': shape .* negative"),
+        (blob({**header, "a": {**header["a"], "shape": [-2]}}), r"tensor 'a': shape \[-2\] .* must be sizes"),
+        (blob({**header, "a": {**header["a"], "shape": [1.9]}}), "tensor 'a': shape .* must be sizes"),
+        (blob({**header, "a": {**header["a"], "shape": [True, True]}}), "tensor 'a': shape .* must be sizes"),
+        (blob({**header, "a": {**header["a"], "shape": "2"}}), "tensor 'a': shape .* must be sizes"),
+        (blob({**header, "a": {**header["a"], "data_offsets": ["0", "8"]}}), "tensor 'a': shape .* must be sizes"),
+        (blob({**header, "a": {**header["a"], "data_offsets": [0, 8, 9]}}), "two offsets"),
+        (blob({**header, "a": {**header["a"], "shape": [2**40, 2**40, 0]}}), "more elements than 64 bits"),
+        (blob({"a": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}, b""), r"tensor 'a': shape \[0, 9223372036854775808\]: "),
+        (blob({**header, "__metadata__": [1]}), "__metadata__: .* not an object of strings"),
+        (blob({**header, "__metadata__": {"k": 1}}), "__metadata__: .* not an object of strings"),
+        (b"\x10" + b"\0" * 7 + b"[" * 10 + b" " * 6, "not JSON"),
+        (len(b"[" * 100000).to_bytes(8, "little") + b"[" * 100000, "not JSON|not a JSON object"),
         (blob({**header, "a": {**header["a"], "shape": [10**12]}}), "tensor 'a': data_offsets"),  # refused before allocating
         (blob({**header, "b": {**header["b"], "data_offsets": [9, 12]}}), "tensor 'b': data_offsets"),
         (blob(header, good[8 + header_len:] + b"\0"), "end at byte 11 of the data, which has 12"),
