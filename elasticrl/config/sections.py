@@ -328,6 +328,11 @@ class TrainerConfig:
     """AdamW weight decay."""
     updates_per_iteration: int = 4
     """Optimizer steps on each iteration's rollouts (>1 reuses them; grpo_clip keeps that stable)."""
+    micro_batch_rows: int = 0
+    """Rows (samples) per forward/backward of an update step: a step sums the gradients of its
+    micro-batches, the same step as one pass over the rank's rows. Bounds the activations and the
+    fp32 logits [rows, tokens, vocab] (64 rows x 4096 tokens x 152k vocab is 160 GB); on GPUs set
+    it (e.g. 4-16 for a 7B model at 4k tokens). 0: all of a rank's rows at once."""
     grad_clip_norm: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     warmup_steps: int = 0
@@ -344,6 +349,7 @@ class TrainerConfig:
         _check(self.lr > 0, f"trainer.lr: {self.lr} must be > 0 (e.g. 3e-3)")
         _check(self.weight_decay >= 0, f"trainer.weight_decay: {self.weight_decay} must be >= 0")
         _check(self.updates_per_iteration >= 1, f"trainer.updates_per_iteration: {self.updates_per_iteration} must be at least 1")
+        _check(self.micro_batch_rows >= 0, f"trainer.micro_batch_rows: {self.micro_batch_rows} must be >= 0 (0: a rank's rows at once)")
         _check(self.grad_clip_norm >= 0, f"trainer.grad_clip_norm: {self.grad_clip_norm} must be >= 0 (0 disables)")
         _check(self.backend in ("gloo", "nccl"), f"trainer.backend: {self.backend!r} must be gloo or nccl")
         _check(

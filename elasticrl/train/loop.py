@@ -38,8 +38,6 @@ import torch.distributed as dist
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
 from elasticrl.coordinator.client import Membership, resolve_token
 from elasticrl.errors import ElasticRLError, NotFoundError
-from elasticrl.rl.advantages import compute_advantages
-from elasticrl.rl.loss import policy_loss
 from elasticrl.rl.rewards import RewardError, reward_function
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
@@ -57,18 +55,17 @@ from elasticrl.train.inplace import InPlace
 from elasticrl.train.recovery import Recovery
 from elasticrl.train.same_config import check_same_settings
 from elasticrl.train.reform import WorldChangedError
-from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, check_failures, dummy_batch
+from elasticrl.train.rollout_link import EngineWorker, VersionGate, batch_from_groups, check_failures
 from elasticrl.train.staleness import keep_fresh, lag_summary, merge_lags
 from elasticrl.train.submit import Submitter, is_eval
 from elasticrl.train.strategy import StrategyConfig, adamw_factory, make_strategy
+from elasticrl.train.update import UPDATE_STATS, update
 from elasticrl.train.warmup import supervised_warmup
 from elasticrl.weights.transfer import WeightPublisher
 
 log = logging.getLogger(__name__)
 
 # What an update reports, summed over its optimizer steps and averaged over ranks (rl/loss.py).
-UPDATE_STATS = ("loss", "clip_fraction", "kl", "grad_norm", "tis_weight_mean", "tis_capped_fraction")
-
 GENERATION_KEY = b"elasticrl/worker-generation"
 # The newest iteration the run finished (rank 0 sets it as each is reported): a world that resumes
 # from less says what it does again, and one that finds nothing to resume from says what it lost.
@@ -411,47 +408,9 @@ class NodeTrainer(InPlace):
         return batch_from_groups(groups, self.parts.pad_id, self.device), dropped, lags
 
     def _update(self, batch: RolloutBatch, num_tokens: float, num_samples: float) -> dict[str, float]:
-        """``updates_per_iteration`` optimizer steps on ``batch``; returns sums over this rank's
-        steps, already scaled so that summing over ranks gives the global values."""
-        cfg, a = self.cfg, self.cfg.algorithm
-        empty = batch.tokens.shape[0] == 0
-        if empty:
-            batch = dummy_batch(self.parts.pad_id, self.device)
-        advantages = compute_advantages(a.advantage, batch.rewards, 1 if empty else cfg.task.group_size)
-        # The engines report logprobs of the distribution they sampled from, log_softmax(logits / T):
-        # the ratio and the KL compare like with like only at the same temperature.
-        temperature = cfg.rollout.temperature
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self.parts.logprobs(self.reference, batch.tokens, batch.valid, temperature=temperature).float()
-        sums = dict.fromkeys(UPDATE_STATS, 0.0)
-        world = self.world.world_size
-        # rollout.max_staleness >= 1, or an update phase (every group drawn by an older policy): the
-        # decoupled objective (rl/loss.py); the proximal policy is this update's start, i.e. the first
-        # step's logprobs before its optimizer step (no extra forward).
-        off_policy = cfg.rollout.max_staleness > 0 or cfg.run.rl_phase == "update"
-        decoupled, prox = off_policy and a.off_policy_correction == "tis", None
-        for _ in range(cfg.trainer.updates_per_iteration):
-            with self.strategy.autocast():
-                logprobs = self.parts.logprobs(self.strategy.module, batch.tokens, batch.valid, temperature=temperature)
-            prox = logprobs.detach().float() if decoupled and prox is None else prox
-            loss, stats = policy_loss(
-                logprobs.float(), batch.old_logprobs, advantages, batch.completion_mask,
-                num_tokens=max(num_tokens, 1.0), kind=a.loss, clip_eps=a.clip_eps,
-                ref_logprobs=ref, kl_coef=a.kl_coef, aggregation=a.aggregation, num_sequences=max(num_samples, 1.0),
-                proximal_logprobs=prox, tis_cap=a.tis_cap,
-            )
-            # Gradients are averaged over ranks; each rank's loss is its share of the global loss.
-            self.strategy.backward(loss * world)
-            step = self.strategy.step()
-            sums["loss"] += loss.detach().item()
-            sums["clip_fraction"] += stats["clip_fraction"] / world
-            sums["kl"] += stats.get("kl_mean", 0.0) / world
-            sums["grad_norm"] += step.get("grad_norm", 0.0) / world
-            sums["tis_weight_mean"] += stats["tis_weight_mean"] / world
-            sums["tis_capped_fraction"] += stats["tis_capped_fraction"] / world
-        return sums
+        """``updates_per_iteration`` optimizer steps on ``batch`` (``train.update``). *Collective.*"""
+        return update(self.cfg, self.strategy, self.parts, self.reference, batch, num_tokens=num_tokens,
+                      num_samples=num_samples, world=self.world.world_size, pad_id=self.parts.pad_id)
 
     def _iteration(self, iteration: int, extra: dict) -> dict:
         """submit (rank 0) -> rollout until sealed -> barrier -> fetch -> update -> push -> snapshot

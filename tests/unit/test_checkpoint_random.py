@@ -839,22 +839,6 @@ def test_owners_are_a_pure_function_of_the_names_and_sizes():
 # -- 4. Recovery: a real DDP strategy resumed from the newest complete checkpoint -------------------------
 
 
-@pytest.fixture
-def gloo_world_of_one():
-    """A gloo process group of one rank in this process (and one intra-op thread, as run.num_threads
-    would give a worker: a tiny model's backward is slower on several threads of a busy machine)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
-
-
 def recovery_config(tmp_path, *, snapshots: bool, kl: float, keep_last: int = 2):
     from elasticrl.config import load_config
 

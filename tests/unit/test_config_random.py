@@ -391,6 +391,7 @@ SPECS: dict[tuple[str, str], Any] = {
     ("trainer", "lr"): Num(F, 0, False),
     ("trainer", "weight_decay"): Num(F, 0),
     ("trainer", "updates_per_iteration"): Num(I, 1),
+    ("trainer", "micro_batch_rows"): Num(I, 0),
     ("trainer", "grad_clip_norm"): Num(F, 0),
     ("trainer", "warmup_steps"): Num(I, 0),
     ("trainer", "warmup_batch_size"): Num(I, 1),
