@@ -6,6 +6,7 @@ docstring and units in their names, and which validates itself in ``__post_init_
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from elasticrl.config.base import _check, check_address
@@ -72,10 +73,16 @@ class CoordinatorSection:
     """Deadline of one coordinator call, seconds."""
     reconnect_timeout_s: float = 60.0
     """How long to retry an unreachable coordinator (e.g. while it restarts), seconds."""
+    max_message_mb: float = 64.0
+    """Largest gRPC message this node sends or accepts, MiB: the coordinator's --max-message-mb
+    (an iteration's tasks go in one message)."""
 
     def __post_init__(self) -> None:
         if self.address:
             check_address(self.address, "coordinator.address")
+        _check(math.isfinite(self.max_message_mb) and 1 <= self.max_message_mb < 2048,
+               f"coordinator.max_message_mb: {self.max_message_mb} must be a number of MiB in [1, 2048), like the "
+               "coordinator's --max-message-mb")
         _check(self.barrier_timeout_s > 0, f"coordinator.barrier_timeout_s: {self.barrier_timeout_s} must be > 0 seconds")
         _check(self.call_timeout_s > 0, f"coordinator.call_timeout_s: {self.call_timeout_s} must be > 0 seconds")
         _check(

@@ -120,6 +120,7 @@ class CoordinatorClient:
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.max_message_bytes = max_message_bytes
         self._metadata = wire.auth_metadata(resolve_token(token))
         self._channel = wire.open_channel(address, tls_ca, aio=False, max_message_bytes=max_message_bytes)
         self._stub = pb_grpc.CoordinatorStub(self._channel)

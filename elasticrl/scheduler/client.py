@@ -24,7 +24,7 @@ from elasticrl._proto import scheduler_pb2_grpc as spb_grpc
 from elasticrl.coordinator import codes, wire
 from elasticrl.coordinator.client import CoordinatorClient
 from elasticrl.coordinator.wire import DEADLINE_SLACK_S, MAX_WAIT_CHUNK_S
-from elasticrl.errors import CoordinatorTimeoutError, InternalError, InvalidRequestError
+from elasticrl.errors import CoordinatorTimeoutError, InternalError, InvalidRequestError, ResourceLimitError
 from elasticrl.scheduler.convert import POLICY_TO_PB, SPLIT_TO_PB, fetched_from_pb, manifest_from_pb, task_to_pb
 from elasticrl.scheduler.state import FetchedGroup, Policy, Split, TaskSpec
 from elasticrl.scheduler.weights import CHUNK_BYTES, FORMAT
@@ -82,6 +82,13 @@ class SchedulerClient(CoordinatorClient):
             max_task_failures=max_task_failures,
             **wire.writer_ref(writer),
         )
+        size = request.ByteSize()
+        if size > self.max_message_bytes:  # gRPC would refuse it as RESOURCE_EXHAUSTED, every time
+            raise ResourceLimitError(
+                f"tasks: iteration {iteration}'s {len(tasks)} tasks are {size / 2**20:.1f} MiB in one SubmitIteration, over "
+                f"the {self.max_message_bytes / 2**20:.0f} MiB a message may carry: fewer prompts per iteration "
+                "(task.prompts_per_iteration) or shorter rows; or raise the limit on both sides (the coordinator's "
+                "--max-message-mb and the nodes' coordinator.max_message_mb)")
         return self._call("SubmitIteration", request, stub=self._sched).created
 
     def iteration_status(self, run_id: str, iteration: int | None = None) -> dict | None:

@@ -653,13 +653,13 @@ class SchedulerCore(ResultBook):
 
     # -- reading results -----------------------------------------------------------------------
 
-    def manifest(self, it: Iteration) -> dict:
+    def manifest(self, it: Iteration, *, per_node: bool = True) -> dict:
         if it.sealed:
             elapsed = self._elapsed_at_seal.get((it.run_id, it.iteration), it.sealed_at - it.submitted_at)
         else:
             elapsed = self.clock() - it.submitted_at
         slots = {m: c.worker.slots for m, c in self.conns.get(it.run_id, {}).items()}
-        return accounting.manifest(it, slots, self.clock(), elapsed)
+        return accounting.manifest(it, slots, self.clock(), elapsed, per_node=per_node)
 
     def shard(self, run_id: str, iteration: int, rank: int, world_size: int, split: Split) -> list[tuple[GroupRecord, Task]]:
         """Rank ``rank``'s part of a sealed iteration's ``split`` groups, balanced by tokens."""

@@ -120,7 +120,8 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         it = await self.core.wait_sealed(run_id, request.iteration, wait_s)
         if it is None:  # not submitted yet: an empty, open manifest
             return spb.WaitSealedResponse(manifest=spb.IterationManifest(run_id=run_id, iteration=request.iteration))
-        return spb.WaitSealedResponse(manifest=manifest_to_pb(self.core.manifest(it)))
+        # Still open: the counts only (the caller polls again); the whole manifest once sealed.
+        return spb.WaitSealedResponse(manifest=manifest_to_pb(self.core.manifest(it, per_node=it.sealed)))
 
     @guarded
     async def IterationStatus(self, request: spb.IterationStatusRequest, context) -> spb.IterationStatusResponse:

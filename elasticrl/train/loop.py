@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
 from elasticrl.coordinator.client import Membership, resolve_token
-from elasticrl.errors import ElasticRLError, NotFoundError
+from elasticrl.errors import CoordinatorTimeoutError, ElasticRLError, NotFoundError
 from elasticrl.rl.rewards import RewardError, reward_function
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
@@ -134,6 +134,7 @@ class NodeTrainer(InPlace):
         self.client = SchedulerClient(
             c.address, token=token, tls_ca=c.tls_ca or None,
             call_timeout_s=c.call_timeout_s, reconnect_timeout_s=c.reconnect_timeout_s,
+            max_message_bytes=int(c.max_message_mb * (1 << 20)),
         )
         check_same_settings(cfg, world.rank, self.client)  # a node with another config stops here, before it joins
         members_run = workers_run(cfg.run.run_id)
@@ -387,7 +388,11 @@ class NodeTrainer(InPlace):
                     "roll it out first with run.rl_phase = rollout (against a coordinator with --state-dir, which keeps "
                     "every sealed iteration)"
                 )
-        return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check)
+        try:
+            return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check)
+        except CoordinatorTimeoutError as exc:
+            raise CoordinatorTimeoutError(f"{exc} (rollout.seal_timeout_s = {timeout:g}: raise it where an iteration's "
+                                          "rollout takes longer: many groups, long episodes)") from exc
 
     def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None,
                world_size: int | None = None) -> tuple[RolloutBatch, int, dict[int, int]]:

@@ -174,7 +174,8 @@ class Recovery:
         if not plan:
             return
         move(outgoing, [(src, tag, buf) for src, tag, buf, _, _ in incoming], self.group,
-             self.cfg.checkpoint.snapshot_timeout_s, f"snapshot {sid.name}: fetching shards")
+             self.cfg.checkpoint.snapshot_timeout_s,
+             f"snapshot {sid.name}: fetching shards (checkpoint.snapshot_timeout_s = {self.cfg.checkpoint.snapshot_timeout_s:g})")
         os.makedirs(directory, exist_ok=True)
         for _, _, buf, shard, suffix in sorted(incoming, key=lambda x: x[4] == ".json"):  # every .json last
             path = os.path.join(directory, shard_file(shard, suffix))

@@ -158,7 +158,7 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with SchedulerClient(c.address, token=token, tls_ca=c.tls_ca or None, call_timeout_s=c.call_timeout_s,
-                         reconnect_timeout_s=c.reconnect_timeout_s) as client:
+                         reconnect_timeout_s=c.reconnect_timeout_s, max_message_bytes=int(c.max_message_mb * (1 << 20))) as client:
         r = cfg.rollout
         fetcher = WeightFetcher(client, run_id, member_id, mode=r.weights_transfer, token=token, coordinator_address=c.address,
                                 relay_host=r.relay_host, relay_port=r.relay_port, stop=stop)

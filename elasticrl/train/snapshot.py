@@ -164,7 +164,8 @@ class Snapshots:
                 taken.received[src] = (unpack(h, p), {**doc, "shard": src, "node": self.nodes[src], "bytes": p.numel()})
             taken.confirmed = True
             return time.monotonic() - t0
-        what = f"snapshot {sid.name}: buddy copies (to rank {self.buddy}, from {self.senders})"
+        what = (f"snapshot {sid.name}: buddy copies (to rank {self.buddy}, from {self.senders}; "
+                f"checkpoint.snapshot_timeout_s = {self.timeout_s:g})")
         got = swap([json_blob(header), json_blob(doc), payload], self.buddy, self.senders, self.group, self.timeout_s, what)
         taken.received = {src: (unpack(from_json_blob(h), p), from_json_blob(d)) for src, (h, d, p) in got.items()}
         all_ok(True, self.group, self.timeout_s, f"{what}: confirmation")

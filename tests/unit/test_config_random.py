@@ -322,6 +322,7 @@ SPECS: dict[tuple[str, str], Any] = {
     ("coordinator", "barrier_timeout_s"): Num(F, 0, False),
     ("coordinator", "call_timeout_s"): Num(F, 0, False),
     ("coordinator", "reconnect_timeout_s"): Num(F, 0),
+    ("coordinator", "max_message_mb"): Num(F, 1, True, 2048, False),
     ("model", "kind"): Choice(sections_mod.MODEL_KINDS),
     ("model", "path"): Text(),
     ("model", "dtype"): Choice(sections_mod.DTYPES),

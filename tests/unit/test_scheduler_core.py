@@ -587,6 +587,19 @@ def test_wait_sealed_wakes_on_the_seal():
     assert it.sealed and again is it
 
 
+def test_an_open_iteration_s_counts_come_without_a_scan_of_its_tasks():
+    h = Harness()
+    a = h.worker("a")
+    h.sched.submit(RUN, 1, specs(4), IterationConfig())
+    accept(h, a, "t00")
+    it = h.it()
+    full, counts = h.sched.manifest(it), h.sched.manifest(it, per_node=False)
+    assert full["nodes"] and counts["nodes"] == [] and counts["tokens"] == 0
+    same = ("tasks_total", "tasks_done", "tasks_queued", "tasks_running", "tasks_failed", "sealed", "requeued")
+    assert {k: counts[k] for k in same} == {k: full[k] for k in same}
+    assert counts["tasks_done"] == 1 and counts["tasks_running"] + counts["tasks_queued"] == 3
+
+
 def test_wait_sealed_before_the_iteration_is_submitted():
     h = Harness()
     a = h.worker("a")
