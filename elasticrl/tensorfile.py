@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 
 class TensorFileError(ElasticRLError, ValueError):
-    """A tensor that a safetensors file cannot hold (its dtype)."""
+    """What a safetensors file cannot hold (a dtype, a name, metadata that is not strings), or a
+    blob that is not a well-formed one."""
 
 
 def _dtype_names() -> dict:

@@ -678,13 +678,22 @@ class SchedulerCore(ResultBook):
             if len(ranks) == world_size:  # what the trainers fetched need not be kept for them
                 self._fetched_upto[run_id] = max(iteration, self._fetched_upto.get(run_id, -1))
                 self._trim_due.add(run_id)
-        done = [t for t in it.tasks.values() if t.status is TaskStatus.DONE and t.spec.split is split]
-        if any(t.spec.task_id not in it.groups for t in done):
-            raise NotFoundError(
-                f"iteration: the groups of iteration {iteration} of run {run_id!r} are gone: an in-memory "
-                f"coordinator keeps only the newest {KEEP_SEALED_GROUPS} sealed iterations (use --state-dir)"
-            )
-        # Balanced by every token of every episode, observations included: the update's forward
-        # and backward passes cost all of them, trained (loss mask 1) or not.
-        plan = policy.balance_shards([(t.spec.task_id, t.seq, it.groups[t.spec.task_id].num_tokens) for t in done], world_size)
+        plan = it.shard_plans.get((split, world_size))
+        if plan is None:
+            done = [t for t in it.tasks.values() if t.status is TaskStatus.DONE and t.spec.split is split]
+            if any(t.spec.task_id not in it.groups for t in done):
+                raise self._groups_gone(it)
+            # Balanced by every token of every episode, observations included: the update's forward
+            # and backward passes cost all of them, trained (loss mask 1) or not.
+            plan = it.shard_plans[(split, world_size)] = policy.balance_shards(
+                [(t.spec.task_id, t.seq, it.groups[t.spec.task_id].num_tokens) for t in done], world_size)
+        if any(task_id not in it.groups for task_id in plan[rank]):
+            raise self._groups_gone(it)
         return [(it.groups[task_id], it.tasks[task_id]) for task_id in plan[rank]]
+
+    @staticmethod
+    def _groups_gone(it: Iteration) -> NotFoundError:
+        return NotFoundError(
+            f"iteration: the groups of iteration {it.iteration} of run {it.run_id!r} are gone: an in-memory "
+            f"coordinator keeps only the newest {KEEP_SEALED_GROUPS} sealed iterations (use --state-dir)"
+        )

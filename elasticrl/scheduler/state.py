@@ -318,6 +318,9 @@ class Iteration:
     train_fetched: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     """world size -> the ranks that fetched their train shard (retention keeps an iteration no
     world has fetched in full: trainers fetch in number order, which is not the seal order)."""
+    shard_plans: dict[tuple[Split, int], list[list[str]]] = dataclasses.field(default_factory=dict)
+    """(split, world size) -> each rank's task ids, balanced once per sealed iteration (its groups
+    no longer change): every rank of a world fetches, and the balance is O(tasks)."""
     next_expiry: float = math.inf
     """No running copy's task lease ends before this (a lower bound ``core`` keeps as it hands
     out copies; inf: none): the tick looks for expired leases only once it has passed, not over

@@ -65,7 +65,6 @@ from elasticrl.weights.transfer import WeightPublisher
 
 log = logging.getLogger(__name__)
 
-# What an update reports, summed over its optimizer steps and averaged over ranks (rl/loss.py).
 GENERATION_KEY = b"elasticrl/worker-generation"
 # The newest iteration the run finished (rank 0 sets it as each is reported): a world that resumes
 # from less says what it does again, and one that finds nothing to resume from says what it lost.

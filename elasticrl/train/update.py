@@ -27,6 +27,7 @@ from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.train.dist import all_reduce_int
 from elasticrl.train.rollout_link import dummy_batch
 
+# What an update reports, summed over its optimizer steps and averaged over ranks (rl/loss.py).
 UPDATE_STATS = ("loss", "clip_fraction", "kl", "grad_norm", "tis_weight_mean", "tis_capped_fraction")
 # policy_loss's per-token means of this rank, combined over micro-batches by their token shares.
 _TOKEN_STATS = {"clip_fraction": "clip_fraction", "kl": "kl_mean", "tis_weight_mean": "tis_weight_mean",

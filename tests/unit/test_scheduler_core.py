@@ -649,6 +649,24 @@ def test_shard_refuses_before_seal_then_balances_every_done_group_once():
         h.sched.shard(RUN, 5, 0, 1, Split.TRAIN)
 
 
+def test_a_sealed_iteration_is_balanced_once_per_world_size_not_once_per_rank(monkeypatch):
+    from elasticrl.scheduler import core as core_mod
+
+    h = Harness()
+    a = h.worker("a", slots=8)
+    h.sched.submit(RUN, 1, specs(6), IterationConfig())
+    accept(h, a, *ids(0, 1, 2, 3, 4, 5))
+    assert h.it().sealed
+    calls = []
+    balance = core_mod.policy.balance_shards
+    monkeypatch.setattr(core_mod.policy, "balance_shards", lambda items, n: calls.append(n) or balance(items, n))
+    first = [[g.task_id for g, _ in h.sched.shard(RUN, 1, r, 3, Split.TRAIN)] for r in range(3)]
+    again = [[g.task_id for g, _ in h.sched.shard(RUN, 1, r, 3, Split.TRAIN)] for r in range(3)]  # a restarted rank asks again
+    assert first == again and sorted(sum(first, [])) == ids(0, 1, 2, 3, 4, 5)
+    h.sched.shard(RUN, 1, 0, 2, Split.TRAIN)  # a world of another size: its own balance
+    assert calls == [3, 2]
+
+
 # -- persistence ----------------------------------------------------------------------------------------
 
 
