@@ -9,7 +9,8 @@
 #   4. the unit tests on a host where CUDA is present (CI has none): a file whose optional package
 #      is missing there (datasets, shellcheck, kubernetes-validate) fails, and the rest runs;
 #   5. a mid-sized random Llama (hfmid: 16 layers of width MID_WIDTH, default 1024, ~240M
-#      parameters) under FSDP2 with bf16 compute, its GPU memory sampled every 0.5 s;
+#      parameters) under FSDP2 with bf16 compute in micro-batches of 16 rows, its GPU memory
+#      sampled every 0.5 s;
 #   6. the control-plane benches of issue 18 (streams, barriers) on this machine's cores.
 # Each step has its own time limit and writes its log and JSON under OUT (default: ./gpu-check),
 # so a step that fails or runs out of time leaves the others' results. Usage:
@@ -17,7 +18,7 @@
 # Without a GPU it runs the same steps with gloo on the CPU (a dry run of the script itself).
 # Wheels in .whl/ (grpcio, protobuf, ... for a machine with no package index) are installed first.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-check}
 STEPS=${1:-env,coll,train,hf,hfbf16,agent,async,units,hfmid,stream,barrier}
 PY=${PYTHON:-python3}
@@ -85,7 +86,9 @@ step hfbf16 240 bash -c "set -e; \
 step agent 200 $PY -m elasticrl.cli run --config examples/configs/agent-demo.toml --nodes 1 --iterations 8 --timeout 180 \
     --out "$OUT/run-agent" -- --trainer.backend="$BACKEND" --run.eval_interval=4
 
-# The worker's engine on the GPU (engine.device), fed by the trainer's published weights.
+# The worker's engine on the GPU (engine.device), fed by the trainer's published weights. Unquoted:
+# on a CPU dry run gpu_only says nothing, and no argument at all is passed.
+# shellcheck disable=SC2046
 step async 240 $PY -m elasticrl.cli run --nodes 1 --rollout-workers 1 --iterations 8 --timeout 200 --out "$OUT/run-async" \
     -- --trainer.backend="$BACKEND" --rollout.max_staleness=1 $(gpu_only --engine.device=cuda:0)
 
@@ -98,7 +101,7 @@ step hfmid 300 bash -c "set -e; \
     trap 'kill %1 2>/dev/null || true' EXIT; \
     $PY -m elasticrl.cli run --config examples/configs/hf-cpu.toml --nodes 1 --iterations 5 --timeout 260 --out $OUT/run-hfmid \
         -- --model.path=$OUT/mid-llama --trainer.backend=$BACKEND --trainer.strategy=fsdp2 $(gpu_only --trainer.bf16=true) \
-        --run.eval_interval=0 --logging.tensorboard=false --checkpoint.every_iterations=0 --checkpoint.export_hf="
+        --trainer.micro_batch_rows=16 --run.eval_interval=0 --logging.tensorboard=false --checkpoint.every_iterations=0 --checkpoint.export_hf="
 
 step stream 240 $PY bench/scheduler.py --sections stream --stream-repeats 10 --json-out "$OUT/stream.json"
 
