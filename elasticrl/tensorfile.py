@@ -66,7 +66,7 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
     return struct.pack("<Q", len(blob)) + blob, start, order
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 tensor on its own device (a contiguous copy if it is not)."""
     import torch
 
@@ -80,7 +80,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], met
         f.write(prefix)
         for name in order:
             if tensors[name].numel():
-                f.write(memoryview(_flat_bytes(tensors[name]).cpu().numpy()))
+                f.write(memoryview(flat_bytes(tensors[name]).cpu().numpy()))
         f.flush()
         os.fsync(f.fileno())
 
@@ -100,7 +100,7 @@ def to_buffer(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
         start = 0
         for name in order:
             if tensors[name].numel():
-                raw = _flat_bytes(tensors[name])
+                raw = flat_bytes(tensors[name])
                 data[start:start + raw.numel()].copy_(raw)
                 start += raw.numel()
         del data

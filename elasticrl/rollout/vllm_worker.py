@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from elasticrl.tensorfile import flat_bytes
+
 WORKER_EXTENSION = f"{__name__}.WeightLoaderExtension"
 
 WireTensor = tuple[str, str, list[int], bytes]
@@ -33,9 +35,8 @@ WireTensor = tuple[str, str, list[int], bytes]
 
 def to_wire(name: str, tensor: torch.Tensor) -> WireTensor:
     """A tensor as msgpack-native values (one CPU copy of its bytes)."""
-    cpu = tensor.detach().to("cpu").contiguous()
-    data = cpu.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return name, str(cpu.dtype).removeprefix("torch."), list(cpu.shape), data
+    data = flat_bytes(tensor).cpu().numpy().tobytes()
+    return name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data
 
 
 def from_wire(record: Any) -> tuple[str, torch.Tensor]:

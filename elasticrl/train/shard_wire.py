@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrl.errors import ElasticRLError
+from elasticrl.tensorfile import flat_bytes
 from elasticrl.train.shards import Chunk
 
 ALIGN = 8
@@ -24,10 +25,6 @@ ALIGN = 8
 class WireError(ElasticRLError, dist.DistError):
     """A transfer of shards did not finish (a peer died, or the deadline passed): the world must
     re-form, like any failed collective."""
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def pack(chunks: dict[str, Chunk], into: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
@@ -49,7 +46,7 @@ def pack(chunks: dict[str, Chunk], into: torch.Tensor | None = None) -> tuple[di
         payload = _buffer(start, pinned=any(c.tensor.is_cuda for c in chunks.values()))
     for entry, c in zip(entries, chunks.values()):
         if entry["nbytes"]:
-            payload[entry["start"]:entry["start"] + entry["nbytes"]].copy_(_bytes_of(c.tensor))  # from any device
+            payload[entry["start"]:entry["start"] + entry["nbytes"]].copy_(flat_bytes(c.tensor))  # from any device
     return {"chunks": entries}, payload
 
 

@@ -14,8 +14,8 @@ Three choices keep DCP within the project's rules:
   ``HuggingFaceStorageWriter`` writes with ``save_distributed``, read by its Reader): every file
   records its chunks' offsets in its JSON header (``DCP_SHARDING_INFO``), and the reader rebuilds
   DCP's ``Metadata`` from the headers of the files in the directory, so there is no metadata file
-  at all. Shards hold
-  tensors only; everything else goes into a JSON file beside them (``snapshot.py``).
+  at all. Shards hold tensors only; everything else goes into a JSON file beside them
+  (``snapshot.py``).
 * **No pickle over the wire.** ``dcp.save``/``dcp.load`` plan collectively with
   ``gather_object``/``scatter_object``, which pickle; every call here is ``no_dist=True`` (each
   rank saves and loads by itself) and the ranks agree through JSON collectives instead (who owns a
