@@ -72,6 +72,27 @@ PROGRESS_KEY = b"elasticrl/last-iteration"
 PROGRESS_HEAD_START_S = 0.5
 
 
+
+def push_full_tensors(strategy, engine, version: int, *, keep: dict | None = None) -> None:
+    """Put the strategy's full weights into ``engine`` one tensor at a time (``full_tensors``):
+    the peak is one gathered tensor on the training device, not the model, and a GPU engine copies
+    it device to device. ``keep``, when given, gets a CPU copy of each (for the publisher). Every
+    rank walks the whole collective even when its engine refuses a tensor: the rest is gathered
+    and dropped, then the engine's error is raised, so the other ranks do not wait in a gather."""
+    tensors = strategy.full_tensors()
+
+    def feed():
+        for name, tensor in tensors:
+            if keep is not None:
+                keep[name] = tensor.to("cpu", copy=True)
+            yield name, tensor
+
+    try:
+        engine.update_weights(feed(), version=version)
+    finally:
+        for _ in tensors:  # what the engine did not take, when it stopped early
+            pass
+
 class NodeTrainer(InPlace):
     def __init__(self, config: NodeConfig, world: WorldInfo, logctx: WorkerLogContext | None = None):
         self.cfg = config
@@ -314,9 +335,9 @@ class NodeTrainer(InPlace):
             with self.engine_lock:
                 self.engine.set_version(version)
         else:
-            state = self.strategy.full_model_state_dict(all_ranks=True)  # collective; CPU copies
+            state = {} if self.publisher is not None else None  # rank 0 keeps a CPU copy to publish
             with self.engine_lock:
-                self.engine.update_weights(state.items(), version=version)
+                push_full_tensors(self.strategy, self.engine, version, keep=state)  # collective
         self.version = version
         return state
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -153,6 +153,15 @@ class TrainStrategy(Protocol):
     def full_model_state_dict(self, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """Full fp32 weights under plain ``state_dict`` names, as CPU tensors: complete on rank 0,
         and on every rank when ``all_ranks``; other ranks may get ``{}``. *Collective.*"""
+        ...
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights one tensor at a time, on every rank, under the names of
+        ``full_model_state_dict`` and in the same order on every rank: what a rank pushes into its
+        rollout engine. Each tensor is gathered when it is asked for, stays on the training
+        device, and may be the live parameter or a buffer the next one reuses: copy what must
+        outlive the next step. The peak is one full tensor, not the model. *Collective*: every rank
+        consumes the whole iterator (``push_full_tensors`` drains it when the consumer fails)."""
         ...
 
     def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -104,6 +104,10 @@ class DDPStrategy:
 
     def full_model_state_dict(self, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         return {name: t.detach().cpu().clone() for name, t in self.unwrap().state_dict().items()}
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.unwrap().state_dict().items():  # every rank holds them all
+            yield name, t.detach()
 
     def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         model = self.unwrap()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -161,6 +161,19 @@ class DeepSpeedStrategy:
         return owned_cpu_tensors({
             name: full[id(t)] if id(t) in full else t.detach().cpu().clone() for name, t in self._named_tensors().items()
         })
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = {id(p) for p in self._module_params()}
+        for name, t in self._named_tensors().items():  # a tied weight is gathered under each name
+            if id(t) not in params:  # a buffer: every rank holds it
+                yield name, t.detach()
+                continue
+            value = safe_get_full_fp32_param(t) if t.requires_grad else None  # all-reduce/all-gather
+            if value is None:
+                value = self._gather_frozen(t)
+            yield name, value.detach().float()
 
     def _module_params(self) -> list[nn.Parameter]:
         """Every distinct parameter in ``named_parameters`` order: the same on every rank."""

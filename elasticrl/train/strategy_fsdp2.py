@@ -101,6 +101,13 @@ class FSDP2Strategy:
         live = [p.to_local() if hasattr(p, "to_local") else p for p in self.module.parameters()]
         return owned_cpu_tensors(state, live)
 
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # The sharded state dict: the same names as the full one (wrapper prefixes removed), each
+        # DTensor still a shard, all-gathered one at a time on the training device.
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=False))
+        for name, value in state.items():
+            yield name, (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+
     def load_full_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         check_state_keys(self.module.state_dict().keys(), state.keys())
         set_model_state_dict(self.module, dict(state), options=StateDictOptions(full_state_dict=True))

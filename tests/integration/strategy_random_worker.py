@@ -315,12 +315,17 @@ class Rank:
             ckpt.save_checkpoint(str(self.dir / "ckpt" / key), iteration, model, optimizer, {}, keep_last=1)
 
     def save_all_ranks(self, strategy, name: str) -> None:
-        """``all_ranks=True``: every rank's full state, to compare with rank 0's checkpoint."""
+        """``all_ranks=True``: every rank's full state, to compare with rank 0's checkpoint, and
+        the tensors ``full_tensors`` streams (``model.stream.<name>``)."""
         from elasticrl.train import checkpoint as ckpt
 
         model = strategy.full_model_state_dict(all_ranks=True)
         if TIED_WORKAROUND:
             model = {k: v.clone() for k, v in model.items()}
+        # The engine push's stream: the same names in the same order, one tensor at a time.
+        streamed = [(k, v.to("cpu", copy=True)) for k, v in strategy.full_tensors()]
+        assert [k for k, _ in streamed] == list(model), f"{name}: full_tensors names {[k for k, _ in streamed]} != {list(model)}"
+        model.update({f"stream.{k}": v for k, v in streamed})
         opt_tensors, opt_rest = ckpt.flatten_optimizer(strategy.full_optimizer_state_dict(all_ranks=True))
         where = self.dir / "all_ranks"
         where.mkdir(exist_ok=True)

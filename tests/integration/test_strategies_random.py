@@ -261,13 +261,15 @@ def test_clipping_uses_the_global_norm(run):
 
 @seeded
 def test_full_state_on_every_rank(run):
-    """``all_ranks=True``: every rank gets the complete state, the same as rank 0's checkpoint."""
+    """``all_ranks=True``: every rank gets the complete state, the same as rank 0's checkpoint;
+    so does the engine push's stream (``full_tensors``), tensor by tensor."""
     from safetensors.torch import load_file
 
     c = run["case"]
     for name in c["strategies"]:
         saved = checkpoint_of(run, f"p1-{name}")
         want = {**{f"model.{k}": v for k, v in saved.model.items()}, **saved.optimizer_tensors}
+        want.update({f"model.stream.{k}": v for k, v in saved.model.items()})
         for rank in range(c["w1"]):
             path = run["dir"] / "all_ranks" / f"{name}-{rank}.safetensors"
             got = load_file(str(path))

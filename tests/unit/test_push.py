@@ -1,0 +1,65 @@
+"""``push_full_tensors``: the engine push walks the strategy's collective stream to its end, even
+when the engine refuses a tensor (the other ranks would otherwise wait in a gather), and keeps CPU
+copies for the publisher that do not alias the live tensors."""
+
+import pytest
+import torch
+
+from elasticrl.rollout.engine import WeightUpdateError
+from elasticrl.train.loop import push_full_tensors
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Strategy:
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.gathered = []
+
+    def full_tensors(self):
+        for name, t in self.tensors.items():
+            self.gathered.append(name)  # a collective per tensor on a real strategy
+            yield name, t
+
+
+class Engine:
+    def __init__(self, refuse=None):
+        self.refuse = refuse
+        self.loaded = {}
+
+    def update_weights(self, named, *, version):
+        for name, t in named:
+            if name == self.refuse:
+                raise WeightUpdateError(f"update_weights: {name!r} is not a parameter")
+            self.loaded[name] = t.clone()
+        self.version = version
+
+
+def tensors():
+    return {"a": torch.ones(2), "b": torch.arange(3.0), "c": torch.zeros(1, 2)}
+
+
+def test_every_tensor_reaches_the_engine_and_the_kept_copies_are_their_own():
+    live = tensors()
+    strategy, engine, keep = Strategy(live), Engine(), {}
+    push_full_tensors(strategy, engine, 7, keep=keep)
+    assert engine.version == 7 and list(engine.loaded) == ["a", "b", "c"]
+    assert list(keep) == ["a", "b", "c"]
+    for name, t in live.items():
+        assert torch.equal(keep[name], t) and keep[name].data_ptr() != t.data_ptr()
+    live["a"].add_(1)  # the optimizer's next step changes the live tensor, not the copy
+    assert torch.equal(keep["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize("refuse", ["a", "b", "c"])
+def test_an_engine_that_refuses_a_tensor_still_lets_the_stream_finish(refuse):
+    strategy, engine = Strategy(tensors()), Engine(refuse=refuse)
+    with pytest.raises(WeightUpdateError, match=repr(refuse)):
+        push_full_tensors(strategy, engine, 1)
+    assert strategy.gathered == ["a", "b", "c"]
+
+
+def test_without_a_publisher_nothing_is_kept():
+    strategy, engine = Strategy(tensors()), Engine()
+    push_full_tensors(strategy, engine, 0, keep=None)
+    assert strategy.gathered == ["a", "b", "c"] and engine.version == 0
