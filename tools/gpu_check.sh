@@ -11,16 +11,17 @@
 #   5. a mid-sized random Llama (hfmid: 16 layers of width MID_WIDTH, default 1024, ~240M
 #      parameters) under FSDP2 with bf16 compute in micro-batches of 16 rows, its GPU memory
 #      sampled every 0.5 s;
-#   6. the control-plane benches of issue 18 (streams, barriers) on this machine's cores.
+#   6. the hf engine's sleep and update against module.to (bench/engine_sleep.py, engine);
+#   7. the control-plane benches of issue 18 (streams, barriers) on this machine's cores.
 # Each step has its own time limit and writes its log and JSON under OUT (default: ./gpu-check),
 # so a step that fails or runs out of time leaves the others' results. Usage:
-#   bash tools/gpu_check.sh [steps]     # comma-separated from env,coll,train,hf,hfbf16,agent,async,units,hfmid,stream,barrier
+#   bash tools/gpu_check.sh [steps]     # comma-separated from env,coll,train,hf,hfbf16,agent,async,units,hfmid,engine,stream,barrier
 # Without a GPU it runs the same steps with gloo on the CPU (a dry run of the script itself).
 # Wheels in .whl/ (grpcio, protobuf, ... for a machine with no package index) are installed first.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-check}
-STEPS=${1:-env,coll,train,hf,hfbf16,agent,async,units,hfmid,stream,barrier}
+STEPS=${1:-env,coll,train,hf,hfbf16,agent,async,units,hfmid,engine,stream,barrier}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -102,6 +103,9 @@ step hfmid 300 bash -c "set -e; \
     $PY -m elasticrl.cli run --config examples/configs/hf-cpu.toml --nodes 1 --iterations 5 --timeout 260 --out $OUT/run-hfmid \
         -- --model.path=$OUT/mid-llama --trainer.backend=$BACKEND --trainer.strategy=fsdp2 $(gpu_only --trainer.bf16=true) \
         --trainer.micro_batch_rows=16 --run.eval_interval=0 --logging.tensorboard=false --checkpoint.every_iterations=0 --checkpoint.export_hf="
+
+# The hf engine's sleep and weight update (pinned host buffers, unfilled wake) against module.to.
+step engine 180 $PY bench/engine_sleep.py --width "$MID_WIDTH" --json-out "$OUT/engine.json"
 
 step stream 240 $PY bench/scheduler.py --sections stream --stream-repeats 10 --json-out "$OUT/stream.json"
 

@@ -30,6 +30,7 @@ from elasticrl.rollout.engine import (
     WeightUpdateError,
 )
 from elasticrl.rollout.hf_dir import check_model_dir, eos_token_ids, has_tokenizer
+from elasticrl.rollout.offload import HostOffload
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class HFEngine:
         self._seeds = random.Random(seed)
         self._version = int(policy_version)
         self._sleeping = False
+        self._offload = HostOffload(self._model, self.device) if self.device.type == "cuda" else None
         self._closed = False
         logger.info(
             "hf engine: %s on %s (%s, %d parameters, eos %s, logprobs %s)",
@@ -198,7 +200,23 @@ class HFEngine:
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"update_weights: version {version!r} must be an int >= 0")
-        self.wake()
+        # Asleep on a GPU: the device memory comes back unfilled, the update writes it, and only
+        # what it did not write comes back from the host copy (HostOffload), even if it fails.
+        refill = self._sleeping and self._offload is not None
+        if refill:
+            self._offload.allocate()
+            self._sleeping = False
+        else:
+            self.wake()
+        try:
+            count = self._copy_in(named_tensors, track=self._offload if refill else None)
+        finally:
+            if refill:
+                self._offload.restore()
+        self._version = version
+        logger.info("hf engine: loaded %d tensors, policy version %d", count, version)
+
+    def _copy_in(self, named_tensors: Iterable[tuple[str, torch.Tensor]], track: HostOffload | None) -> int:
         # state_dict(keep_vars=True) maps every checkpoint name, tied aliases included, to the live
         # Parameter/buffer, so a copy_ into it is seen by the module.
         targets = self._model.state_dict(keep_vars=True)
@@ -218,26 +236,27 @@ class HFEngine:
                         f"{tuple(target.shape)}; nothing after it was loaded"
                     )
                 target.copy_(tensor.detach())  # casts dtype and moves across devices
+                if track is not None:
+                    track.filled(target)
                 count += 1
-        self._version = version
-        logger.info("hf engine: loaded %d tensors, policy version %d", count, version)
+        return count
 
     def sleep(self) -> None:
-        """Move the model to CPU and free the CUDA cache; on CPU only the state changes."""
+        """Move the weights to pinned host memory (allocated at the first sleep and kept) and free
+        the CUDA cache; on CPU only the state changes."""
         self._check_open()
         if self._sleeping:
             return
-        if self.device.type == "cuda":
-            self._model.to("cpu")
-            torch.cuda.empty_cache()
+        if self._offload is not None:
+            self._offload.offload()
         self._sleeping = True
 
     def wake(self) -> None:
         self._check_open()
         if not self._sleeping:
             return
-        if self.device.type == "cuda":
-            self._model.to(self.device)
+        if self._offload is not None:
+            self._offload.wake()
         self._sleeping = False
 
     def close(self) -> None:
@@ -245,6 +264,7 @@ class HFEngine:
             return
         self._closed = True
         self._model = None
+        self._offload = None  # the pinned host copy with it
         self._tokenizer = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

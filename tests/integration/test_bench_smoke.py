@@ -93,6 +93,12 @@ def test_the_recovery_bench_measures_a_snapshot_against_dcps_writer_at_a_toy_siz
     assert all(s[k] >= 0 for k in ("stage_stall_s", "shard_write_stall_s", "dcp_write_stall_s", "read_stall_s")), s
 
 
+def test_the_engine_sleep_bench_times_the_engine_and_module_to_on_the_same_model(tmp_path):
+    doc = bench("engine_sleep.py", tmp_path, "--width", "64", "--layers", "2", "--vocab", "128", "--cycles", "2", "--device", "cpu")
+    assert [r["path"] for r in doc["rows"]] == ["engine (pinned, unfilled wake)", "baseline module.to"], doc
+    assert doc["device"] == "cpu" and doc["parameters"] > 0 and all(r["update_s"] > 0 for r in doc["rows"]), doc
+
+
 def test_the_coordinator_bench_compares_each_coordinator_row_with_the_baselines_of_the_same_size_and_pattern():
     from bench.coordinator import compare_baselines
 
