@@ -42,14 +42,17 @@ def leftover_snapshots(run_dir: str, run_id: str, *, kept: bool) -> None:
 
 
 def last_records(run_dir: str) -> list[dict]:
-    """The last record of every iteration (an iteration redone after a restart appears twice)."""
+    """The last record of every iteration (an iteration redone after a restart appears twice).
+    A line that is not a JSON object with an integer ``iteration`` (torn by a crash, written by
+    something else) is skipped."""
     by_iteration: dict[int, dict] = {}
     with contextlib.suppress(OSError):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
                 with contextlib.suppress(ValueError):
                     record = json.loads(line)
-                    by_iteration[record["iteration"]] = record
+                    if isinstance(record, dict) and type(record.get("iteration")) is int:
+                        by_iteration[record["iteration"]] = record
     return [by_iteration[i] for i in sorted(by_iteration)]
 
 

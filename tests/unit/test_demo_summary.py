@@ -123,3 +123,15 @@ def test_the_reward_plot_frames_returns_past_one_and_below_zero():
     low, high = y_range([0.39, 1.2])
     assert low == 0.0 and high >= 1.2
     assert y_range([-0.5, 0.5])[0] <= -0.5
+
+
+def test_lines_that_are_not_iteration_records_are_skipped(tmp_path):
+    from elasticrl.run_summary import last_records
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = ['{"iteration": 1, "reward_mean": 0.1}', "[1, 2]", '"text"', "7", '{"note": "no iteration"}',
+             '{"iteration": "2"}', '{"iteration": 2.5}', '{"iteration": true}', '{"iteration": 2, "reward_mean": 0.2}',
+             '{"iteration": 1, "reward_mean": 0.3}', '{"iteration": 3, "rew']  # redone, then torn by a crash
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert last_records(str(run_dir)) == [{"iteration": 1, "reward_mean": 0.3}, {"iteration": 2, "reward_mean": 0.2}]
