@@ -146,7 +146,8 @@ class EngineConfig:
     device: str = ""
     """Device of the engine's model: empty means the trainer's (cuda:<local_rank> with nccl, else cpu)."""
     dtype: str = "float32"
-    """hf/vllm: dtype of the engine's weights (float32 gives logprobs the trainer reproduces exactly)."""
+    """hf/vllm: dtype of the engine's weights (float32 gives logprobs the trainer reproduces exactly),
+    and of the weights rank 0 publishes to rollout-only workers (bfloat16/float16: half the bytes)."""
     max_batch_rows: int = 64
     """hf: most sequences decoded together."""
     gpu_memory_utilization: float = 0.5
@@ -156,7 +157,9 @@ class EngineConfig:
     """vllm: GPUs per engine. The engine of local rank r takes GPUs r*tp .. r*tp+tp-1 (with 1, the
     rank's own), so a node needs nproc-per-node * tp GPUs."""
     sleep_during_update: bool = True
-    """vllm/hf on GPU: release the engine's memory while the trainer updates (sleep/wake)."""
+    """vllm/hf on GPU: release the engine's memory while the trainer updates (sleep/wake). The hf
+    engine keeps a pinned host copy of its weights (the model's bytes, per rank) from the first
+    sleep until it closes."""
 
     def __post_init__(self) -> None:
         _check(self.name in ENGINES, f"engine.name: {self.name!r} must be one of {', '.join(ENGINES)}")

@@ -264,7 +264,9 @@ class HFEngine:
             return
         self._closed = True
         self._model = None
-        self._offload = None  # the pinned host copy with it
+        if self._offload is not None:
+            self._offload.close()  # the pinned host copy
+            self._offload = None
         self._tokenizer = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

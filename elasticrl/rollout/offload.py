@@ -6,7 +6,8 @@ it both ways (~0.9 s per GB of fp32 weights on an H200 host). Here the host buff
 once, at the first sleep, and pinned, so both copies run at the link's speed; and a wake that an
 update follows allocates the device memory without filling it: the update writes each tensor, and
 only what it did not write (a partial update, a non-persistent buffer, an update that failed
-halfway) is restored from the host copy.
+halfway) is restored from the host copy. The pinned copy (the model's bytes) is kept while the
+engine is awake too, until it closes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class HostOffload:
     every alias a tied weight has, stay the module's own."""
 
     def __init__(self, module: nn.Module, device: torch.device):
-        self.tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]  # each once
+        self.module = module
+        self.tensors: list[torch.Tensor] = []
         self.device = device
         self.host: list[torch.Tensor] | None = None
         self.unfilled: set[int] = set()
@@ -29,6 +31,10 @@ class HostOffload:
 
     def offload(self) -> None:
         """Device -> host, then free the device memory."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]  # each once
+        if len(tensors) != len(self.tensors) or any(a is not b for a, b in zip(tensors, self.tensors)):
+            # First sleep, or a tensor was replaced since (a buffer registered again, a resize).
+            self.tensors, self.host = tensors, None
         if self.host is None:
             pin = self.device.type == "cuda"
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self.tensors]
@@ -44,8 +50,13 @@ class HostOffload:
         """Device memory for every tensor, not filled: ``filled`` marks each one written, and
         ``restore`` copies the host copy into the rest."""
         assert self.host is not None, "allocate before any offload"
-        for host, t in zip(self.host, self.tensors):
-            t.data = torch.empty_like(host, device=self.device)
+        try:
+            for host, t in zip(self.host, self.tensors):
+                t.data = torch.empty_like(host, device=self.device)
+        except BaseException:  # out of memory, say: back to the host copies, still asleep
+            for host, t in zip(self.host, self.tensors):
+                t.data = host
+            raise
         self.unfilled = {id(t) for t in self.tensors}
 
     def filled(self, tensor: torch.Tensor) -> None:
@@ -66,6 +77,13 @@ class HostOffload:
     def wake(self) -> None:
         self.allocate()
         self.restore()
+
+    def close(self) -> None:
+        """Drop the host copy and give its pinned pages back (torch's host allocator keeps freed
+        pinned blocks for reuse otherwise)."""
+        self.host, self.tensors, self.module = None, [], None
+        if self.device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

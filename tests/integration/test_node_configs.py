@@ -53,6 +53,26 @@ def test_an_hf_checkpoint_trains_with_the_hf_engine_and_exports(tmp_path, tiny_l
     assert again.returncode == 0 and "resumed from iteration 3 (checkpoint" in again.stdout, again.stdout
 
 
+def test_a_bf16_engine_gets_its_published_weights_in_bf16(tmp_path):
+    """engine.dtype = bfloat16: rank 0 publishes the weights in the engines' dtype (half the bytes
+    to pack, send and hold), and a rollout-only worker's hf engine loads them."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from elasticrl.rollout.tiny_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "model", hidden_size=256, num_hidden_layers=2, intermediate_size=256)
+    numel = sum(v.numel() for f in model.glob("*.safetensors") for v in load_file(str(f)).values())
+    out = tmp_path / "run"
+    result = run_demo(out, "--nodes", "1", "--rollout-workers", "1", "--iterations", "3", "--", "--model.kind=hf",
+                      f"--model.path={model}", "--engine.dtype=bfloat16", "--rollout.max_staleness=1")
+    assert result.returncode == 0, result.stdout
+    loaded = [float(mb) for mb in re.findall(r"loaded published weights: .* \((\d+\.\d) MB\)", (out / "logs" / "rollout-0.log").read_text())]
+    assert loaded, (out / "logs" / "rollout-0.log").read_text()
+    assert all(abs(mb - 2 * numel / 1e6) <= 0.1 for mb in loaded), (loaded, numel)  # fp32 would be 4 bytes each
+
+
 def test_kl_rloo_sequence_loss_and_a_users_reward_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text("def score(prompt, completion, target):\n    return 0.25 if completion[:1] == target[:1] else 0.0\n")

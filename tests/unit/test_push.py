@@ -63,3 +63,37 @@ def test_without_a_publisher_nothing_is_kept():
     strategy, engine = Strategy(tensors()), Engine()
     push_full_tensors(strategy, engine, 0, keep=None)
     assert strategy.gathered == ["a", "b", "c"] and engine.version == 0
+
+
+def test_the_kept_copies_are_in_the_publish_dtype_where_floating_point():
+    live = {"w": torch.randn(3, 2), "steps": torch.arange(4), "b": torch.randn(2, dtype=torch.float64)}
+    keep = {}
+    push_full_tensors(Strategy(live), Engine(), 2, keep=keep, keep_dtype=torch.bfloat16)
+    assert keep["w"].dtype == torch.bfloat16 and keep["b"].dtype == torch.bfloat16 and keep["steps"].dtype == torch.int64
+    assert torch.equal(keep["w"], live["w"].to(torch.bfloat16)) and torch.equal(keep["steps"], live["steps"])
+
+
+def test_a_process_that_is_stopping_does_not_go_on_gathering():
+    """SystemExit (torchrun's SIGTERM, train/stop.py) passes through: the peers are stopping too,
+    and more gathers would only hold the exit up."""
+    class Stopping(Engine):
+        def update_weights(self, named, *, version):
+            next(iter(named))
+            raise SystemExit(143)
+
+    strategy = Strategy(tensors())
+    with pytest.raises(SystemExit):
+        push_full_tensors(strategy, Stopping(), 1)
+    assert strategy.gathered == ["a"]
+
+
+def test_a_gather_that_fails_is_raised_as_it_is():
+    class Broken(Strategy):
+        def full_tensors(self):
+            yield "a", torch.ones(1)
+            raise RuntimeError("a peer is gone")
+
+    engine = Engine()
+    with pytest.raises(RuntimeError, match="a peer is gone"):
+        push_full_tensors(Broken({}), engine, 1)
+    assert list(engine.loaded) == ["a"]
