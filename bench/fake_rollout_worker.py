@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linger", type=float, default=0.01, help="result batching delay, seconds")
     p.add_argument("--events", help="append JSON lines of task events to this file")
     p.add_argument("--fail-first", type=int, default=0, metavar="N", help="report the first N tasks as failed attempts")
+    p.add_argument("--progress-every", type=float, default=0.0, metavar="S",
+                   help="report progress on a running task every S seconds, as a multi-turn episode does per turn (0: never)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.member} %(levelname)s %(name)s: %(message)s")
     events = open(args.events, "a", buffering=1) if args.events else None
@@ -68,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             note("failed", a)
             return TaskFailure(a.task.task_id, f"env fake.step() raised RuntimeError: attempt {failures[0]}", env_errors=2)
         end = time.monotonic() + args.task_s
+        turn = time.monotonic() + args.progress_every
         while time.monotonic() < end and not a.cancelled.is_set():
             time.sleep(min(0.01, max(0.0, end - time.monotonic())))
+            if args.progress_every and time.monotonic() >= turn:
+                a.progress()
+                turn += args.progress_every
         samples = [
             SampleRecord.pack(fake_tokens(a.task.task_id, j, args.tokens), [-0.5] * args.tokens,
                               reward=float(j % 2), finish_reason="length")

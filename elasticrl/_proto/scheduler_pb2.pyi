@@ -174,15 +174,25 @@ class ReleaseTasks(_message.Message):
     env_errors: int
     def __init__(self, iteration: _Optional[int] = ..., task_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., failed: _Optional[bool] = ..., env_errors: _Optional[int] = ...) -> None: ...
 
+class RenewTasks(_message.Message):
+    __slots__ = ("iteration", "task_ids")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, iteration: _Optional[int] = ..., task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class WorkRequest(_message.Message):
-    __slots__ = ("hello", "results", "release")
+    __slots__ = ("hello", "results", "release", "renew")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     results: ResultBatch
     release: ReleaseTasks
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseTasks, _Mapping]] = ...) -> None: ...
+    renew: RenewTasks
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseTasks, _Mapping]] = ..., renew: _Optional[_Union[RenewTasks, _Mapping]] = ...) -> None: ...
 
 class TaskAssignment(_message.Message):
     __slots__ = ("iteration", "task", "lease_ms", "backup")

@@ -196,7 +196,8 @@ class RolloutConfig:
     seal; and of groups whose env failed (see max_task_failures), how many may be dropped: when
     fewer than this fraction completed, the run stops with the env's error."""
     task_lease_s: float = 120.0
-    """A task not finished this long after its assignment is handed to another engine, seconds."""
+    """A task not finished this long after its assignment, or after its engine last reported
+    progress on it (a turn of one of its episodes ended), is handed to another engine, seconds."""
     backup_tasks: int = 0
     """Dynamic policy: backup copies of the last straggling tasks that idle engines may run."""
     max_task_failures: int = 2

@@ -84,6 +84,9 @@ class GroupTask:
     """Temperature etc.; ``max_new_tokens`` is the limit of one action."""
     cancelled: threading.Event | None = None
     """Set when the result is no longer wanted: the group stops at its episodes' next turn."""
+    progress: Callable[[], None] | None = None
+    """Called (on the runner's thread) each time one of its episodes' turns ends: the scheduler
+    renews the task's lease, so a long episode that keeps advancing is not run twice."""
 
 
 @dataclasses.dataclass
@@ -401,6 +404,8 @@ class EpisodeRunner:
                 obs, reward, terminated, cut, _ = await self._envs.call(env, "step", call_step(env, action, run_sync=run_sync))
                 env_s += time.perf_counter() - t0
                 rewards.append(reward)
+                if task.progress is not None:
+                    task.progress()
                 if terminated or cut:
                     truncated = cut and not terminated
                     break

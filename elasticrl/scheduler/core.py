@@ -368,6 +368,25 @@ class SchedulerCore(ResultBook):
 
     # -- dispatch ----------------------------------------------------------------------------
 
+    def renew(self, conn: WorkerConn, iteration: int, task_ids: list[str]) -> int:
+        """The worker's engine made progress on these tasks: the lease of its copy of each starts
+        again from now (``task_lease_s``). Only a live copy this worker holds is renewed; a task
+        done, sealed, not its own or already past its deadline (requeued) is left as it is.
+        Memory only, like the leases themselves. Returns how many were renewed."""
+        it = self.iterations.get(conn.run_id, {}).get(iteration)
+        if it is None or it.sealed or conn.worker.fenced:
+            return 0
+        now, renewed = self.clock(), 0
+        for task_id in task_ids:
+            task = it.tasks.get(task_id)
+            holder = task.holders.get(conn.worker.member_id) if task is not None else None
+            if (holder is None or task.status is not TaskStatus.RUNNING or holder.incarnation != conn.worker.incarnation
+                    or now >= holder.deadline):
+                continue
+            holder.deadline = now + it.config.task_lease_s
+            renewed += 1
+        return renewed
+
     def _slots_freed(self, conn: WorkerConn) -> None:
         """``conn``'s worker has free slots the last dispatch did not offer (see ``_dispatch``)."""
         self._freed[conn.run_id][conn.worker.member_id] = conn

@@ -1,8 +1,8 @@
 """gRPC servicer of ``elasticrl.v1.Scheduler``: validates and converts messages, calls ``core``.
 
 Errors map exactly as in the coordinator's servicer (``coordinator.service.guarded``). The Work
-stream has one reader task (hello, results, releases) and one writer (this generator draining the
-worker's outbox), like the coordinator's Session stream. PublishWeights and FetchWeights move a
+stream has one reader task (hello, results, releases, lease renewals) and one writer (this
+generator draining the worker's outbox), like the coordinator's Session stream. PublishWeights and FetchWeights move a
 run's policy weights in and out of the ``WeightStore`` (``weights.py``) in chunks.
 """
 
@@ -307,8 +307,11 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
                         conn, r.iteration, list(r.task_ids), v.text("release.reason", r.reason, v.MAX_REASON_LEN),
                         failed=r.failed, env_errors=min(r.env_errors, MAX_ENV_ERRORS),
                     )
+                elif kind == "renew":
+                    r = request.renew
+                    self.core.renew(conn, r.iteration, list(r.task_ids))
                 else:
-                    raise InvalidRequestError(f"kind: {kind or 'nothing'} is not allowed after the hello (send results or release)")
+                    raise InvalidRequestError(f"kind: {kind or 'nothing'} is not allowed after the hello (send results, release or renew)")
             conn.send(End())
         except asyncio.CancelledError:
             raise

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 
 WORK_METHOD = "/elasticrl.v1.Scheduler/Work"
+# How often task leases are renewed: a quarter of the shortest lease running, within these bounds.
+RENEW_MIN_S = 0.25
+RENEW_MAX_S = 30.0
+RENEW_IDLE_S = 1.0  # with no task running: a task assigned meanwhile waits at most this long
 
 
 def _request_bytes(request: spb.WorkRequest | bytes) -> bytes:
@@ -60,6 +64,16 @@ class Assignment:
     lease_s: float
     backup: bool
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    progressed_at: float = 0.0
+    """``time.monotonic()`` of the engine's last word of progress on it (``progress``)."""
+    renewed_at: float = 0.0
+    """When the worker last asked the coordinator to renew its task lease."""
+
+    def progress(self) -> None:
+        """The engine advanced on this task (an episode's turn ended); any thread may call it. The
+        worker then renews the task's lease (``RenewTasks``) at its next renewal tick, so a long
+        episode that keeps advancing is not handed to another engine when ``lease_s`` passes."""
+        self.progressed_at = time.monotonic()
 
 
 def by_iteration(items: list[Assignment]) -> list[list[Assignment]]:
@@ -285,7 +299,7 @@ class RolloutWorker:
             WORK_METHOD, request_serializer=_request_bytes, response_deserializer=spb.WorkResponse.FromString,
         )
         call = work(wire.stream_requests(outbox), metadata=self._client._metadata)
-        up = False
+        up, renewer = False, None
         try:
             try:
                 async with asyncio.timeout(self._client.call_timeout_s):
@@ -298,6 +312,7 @@ class RolloutWorker:
                 self._outbox = outbox
                 for request in self.unacked:  # the coordinator may not have stored them
                     outbox.put_nowait(request)
+                renewer = asyncio.create_task(self._renew_leases(), name=f"renew-{self.member_id}")
             async for resp in call:
                 for ack in resp.acks:  # sent with an assignment (or several together), oldest first
                     self._ack(ack)
@@ -324,8 +339,27 @@ class RolloutWorker:
             call.cancel()
             raise
         finally:
+            if renewer is not None:
+                renewer.cancel()
             self._outbox = None
             outbox.put_nowait(None)
+
+    async def _renew_leases(self) -> None:
+        """Every quarter of the shortest task lease running here (``RENEW_MIN_S`` .. ``RENEW_MAX_S``;
+        ``RENEW_IDLE_S`` with none running), ask the coordinator to renew the leases of the tasks whose engine made progress since their
+        last renewal (``Assignment.progress``). Best effort, like a release: a renewal that does not
+        arrive leaves the lease to run out as if there had been none."""
+        while True:
+            running = list(self._running.values())
+            every = min((a.lease_s for a in running), default=RENEW_IDLE_S * 4) / 4
+            await asyncio.sleep(min(max(every, RENEW_MIN_S), RENEW_MAX_S))
+            now, due = time.monotonic(), {}
+            for a in self._running.values():
+                if a.progressed_at > a.renewed_at:
+                    due.setdefault(a.iteration, []).append(a.task.task_id)
+                    a.renewed_at = now
+            for iteration, task_ids in sorted(due.items()):
+                self._send(spb.WorkRequest(renew=spb.RenewTasks(iteration=iteration, task_ids=task_ids)))
 
     def _ack(self, ack: spb.ResultAck) -> None:
         """The oldest unacknowledged batch is stored (acks come in batch order)."""

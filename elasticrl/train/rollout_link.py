@@ -291,7 +291,7 @@ class EngineWorker:
                 stop_token_ids=tuple(s.stop_token_ids) + self.stop_token_ids,
             )
             tasks.append(GroupTask(task_id=a.task.task_id, row=task_row(meta), episodes=a.task.num_samples, seed=s.seed,
-                                   sampling=spec, cancelled=a.cancelled))
+                                   sampling=spec, cancelled=a.cancelled, progress=a.progress))
         out: list[GroupRecord | TaskFailure] = []
         for a, outcome in zip(assignments, self.runner.play(tasks)):
             if outcome.episodes is None:

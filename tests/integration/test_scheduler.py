@@ -103,6 +103,28 @@ def fetch_all(client: SchedulerClient, run: str, iteration: int, world_size: int
     return groups
 
 
+@pytest.mark.parametrize("progress", [True, False], ids=["advancing", "silent"])
+def test_a_task_whose_engine_advances_keeps_its_lease_past_the_lease_time(coordinator, workers, progress):
+    """A task running 2.4 lease times on w0: with progress reported every 0.3 s (a multi-turn
+    episode's turns) its lease is renewed and w1, idle beside it, never gets a copy; without, the
+    lease runs out and w1 runs a copy, which finishes first."""
+    run = f"renew-{progress}"
+    slow = workers(coordinator.address, run, "w0", 6.0, *(["--progress-every", "0.3"] if progress else []))
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        wait_members(client, run, 1)
+        client.submit_iteration(run, 1, tasks(1), task_lease_s=2.5)
+        wait_until(lambda: slow.events("start"), 20, message="w0 starting the task")
+        idle = workers(coordinator.address, run, "w1", 0.05)
+        manifest = client.wait_sealed(run, 1, timeout_s=30)
+        assert manifest["tasks_done"] == 1, manifest
+        if progress:
+            assert manifest["requeued"] == 0 and idle.events("start") == [], (manifest, slow.log())
+            assert [n["node"] for n in manifest["nodes"] if n["done"]] == ["w0"], manifest
+        else:
+            assert manifest["requeued"] == 1 and len(idle.events("done")) == 1, manifest
+        fetch_all(client, run, 1)
+
+
 def test_sigkill_worker_mid_iteration_every_task_completes_once_on_survivors(coordinator, workers):
     run = "kill-worker"
     ws = [workers(coordinator.address, run, f"w{i}", 0.15) for i in range(3)]

@@ -5,6 +5,7 @@ episodes in flight, and chat templates rendered turn by turn."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
@@ -119,6 +120,20 @@ def test_a_multi_turn_episode_is_one_sequence_with_only_the_actions_trained():
     assert e.logprobs == [0.0] * 7 + [-0.5, -0.5] + [0.0] * 3 + [-0.5, -0.5]
     assert (e.turns, e.rewards, e.reward, e.truncated) == (2, [0.0, 1.0], 1.0, False)
     assert e.prompt == "guess:" and e.text == "4\nhi:\n7"
+
+
+def test_each_turn_of_each_episode_reports_progress_on_its_task():
+    """What renews a task's lease while its episodes advance (``Assignment.progress``)."""
+    engine = ScriptedEngine(bisect)
+    r = runner(engine)
+    counts = {t.task_id: 0 for t in groups(4)}
+    tasks = [dataclasses.replace(t, progress=lambda task_id=t.task_id: counts.__setitem__(task_id, counts[task_id] + 1))
+             for t in groups(4, episodes=2)]
+    try:
+        out = r.play(tasks)
+    finally:
+        r.close()
+    assert counts == {o.task_id: sum(e.turns for e in o.episodes) for o in out} and all(counts.values())
 
 
 def test_the_turn_limit_and_the_context_limit_truncate_and_never_overflow():

@@ -284,6 +284,40 @@ def test_task_lease_expiry_requeues_and_the_first_finisher_wins(winner):
     assert it.sealed and it.tasks["t00"].done_by == first.worker.member_id
 
 
+def test_a_renewed_task_lease_starts_again_from_the_renewal():
+    """A worker whose engine advances on a task (a multi-turn episode) renews its lease: the task
+    is not handed to another engine while it advances, and is once it stops advancing."""
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(1), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0)
+    h.advance(8.0, step=2.0)
+    assert h.sched.renew(a, 1, ["t00"]) == 1  # deadline 18
+    h.advance(8.0, step=2.0)  # 16
+    assert drain(b) == [] and h.it().counters.requeued == 0
+    assert h.sched.renew(a, 1, ["t00", "t99"]) == 1  # deadline 26; an unknown task is ignored
+    h.advance(9.0, step=3.0)  # 25
+    assert drain(b) == [] and h.it().counters.requeued == 0
+    h.advance(1.0)  # 26: no progress since: the lease ran out
+    assert assigned(drain(b)) == ids(0) and h.it().counters.requeued == 1
+    assert h.sched.renew(a, 1, ["t00"]) == 0  # past its deadline: too late, b's copy runs
+    assert accept(h, a, "t00")[0].accepted == 1  # whichever finishes first still wins
+
+
+def test_only_the_holder_renews_and_not_after_the_task_is_done_or_sealed():
+    h = Harness()
+    a = h.worker("a")
+    b = h.worker("b")
+    h.sched.submit(RUN, 1, specs(2), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0) and assigned(drain(b)) == ids(1)
+    assert h.sched.renew(b, 1, ["t00"]) == 0 and h.sched.renew(a, 2, ["t00"]) == 0  # not b's; no iteration 2
+    accept(h, a, "t00")
+    assert h.sched.renew(a, 1, ["t00"]) == 0  # done
+    accept(h, b, "t01")
+    assert h.it().sealed and h.sched.renew(b, 1, ["t01"]) == 0
+
+
 def test_task_lease_expiry_does_not_hand_the_task_back_to_its_holder():
     h = Harness()
     a = h.worker("a", slots=2)
