@@ -204,7 +204,8 @@ class RolloutConfig:
     """A group whose env failed (raised, or passed env.step_timeout_s) is retried on another engine
     until it failed this many times, then given up (the iteration seals without it)."""
     seal_timeout_s: float = 600.0
-    """How long the trainer waits for an iteration to seal before failing, seconds."""
+    """How long the trainer waits for an iteration to seal with none of its groups finishing
+    before failing, seconds: an iteration that advances is waited for however long it takes."""
     presubmit: bool = True
     """Submit the next iteration while this one updates (off the critical path; its tasks wait in
     the engines until the new policy is pushed). Their task leases run meanwhile, so keep

@@ -99,12 +99,16 @@ class SchedulerClient(CoordinatorClient):
 
     def wait_sealed(
         self, run_id: str, iteration: int, timeout_s: float, *, check: Callable[[], None] | None = None,
-        check_every_s: float = 1.0,
+        check_every_s: float = 1.0, while_progressing: bool = False,
     ) -> dict:
         """Block until ``iteration`` seals; returns its manifest. ``CoordinatorTimeoutError`` after
-        ``timeout_s`` (the message says how far it got). ``check``, when given, runs every
-        ``check_every_s`` while waiting and may raise to stop the wait (a local engine that died)."""
+        ``timeout_s`` (the message says how far it got); with ``while_progressing``, after
+        ``timeout_s`` in which none of its groups finished (done or given up), so that a big
+        iteration that advances is waited for however long it takes, and a stalled one is not.
+        ``check``, when given, runs every ``check_every_s`` while waiting and may raise to stop the
+        wait (a local engine that died)."""
         give_up = time.monotonic() + timeout_s
+        finished = -1
         chunk_s = MAX_WAIT_CHUNK_S if check is None else max(0.05, min(MAX_WAIT_CHUNK_S, check_every_s))
         while True:
             if check is not None:
@@ -115,14 +119,16 @@ class SchedulerClient(CoordinatorClient):
             manifest = manifest_from_pb(resp.manifest)
             if manifest["sealed"]:
                 return manifest
+            now_finished = manifest["tasks_done"] + manifest["tasks_failed"]
+            if while_progressing and now_finished > finished:
+                finished, give_up = now_finished, time.monotonic() + timeout_s
             if time.monotonic() >= give_up:
                 progress = (
                     f"{manifest['tasks_done']}/{manifest['tasks_total']} done, {manifest['tasks_running']} running"
                     if manifest["tasks_total"] else "it was never submitted"
                 )
-                raise CoordinatorTimeoutError(
-                    f"iteration {iteration} of run {run_id!r} did not seal within {timeout_s:.1f}s: {progress}"
-                )
+                within = f"with no group finished for {timeout_s:.1f}s" if while_progressing else f"within {timeout_s:.1f}s"
+                raise CoordinatorTimeoutError(f"iteration {iteration} of run {run_id!r} did not seal {within}: {progress}")
 
     def fetch_shard(
         self,

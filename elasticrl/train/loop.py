@@ -447,10 +447,11 @@ class NodeTrainer(InPlace):
                     "every sealed iteration)"
                 )
         try:
-            return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check)
+            return self.client.wait_sealed(rollout_run(self.cfg.run.run_id), iteration, timeout_s=timeout, check=check,
+                                           while_progressing=True)
         except CoordinatorTimeoutError as exc:
-            raise CoordinatorTimeoutError(f"{exc} (rollout.seal_timeout_s = {timeout:g}: raise it where an iteration's "
-                                          "rollout takes longer: many groups, long episodes)") from exc
+            raise CoordinatorTimeoutError(f"{exc} (rollout.seal_timeout_s = {timeout:g}: raise it where one group can take "
+                                          "longer: long episodes, slow engines)") from exc
 
     def _fetch(self, iteration: int, split: str = "train", *, rank: int | None = None,
                world_size: int | None = None) -> tuple[RolloutBatch, int, dict[int, int]]:

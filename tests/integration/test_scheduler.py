@@ -125,6 +125,34 @@ def test_a_task_whose_engine_advances_keeps_its_lease_past_the_lease_time(coordi
         fetch_all(client, run, 1)
 
 
+def test_a_wait_while_progressing_outlasts_its_timeout_as_long_as_groups_finish(coordinator, workers):
+    """4 tasks of 0.8 s on one single-slot worker take ~3.2 s: a plain 1.6 s wait gives up, one
+    that counts from the last finished group does not; with the worker gone, it gives up 1.6 s
+    after the last group, saying so."""
+    from elasticrl.errors import CoordinatorTimeoutError
+
+    run = "progressing"
+    w = workers(coordinator.address, run, "w0", 0.8)
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        wait_members(client, run, 1)
+        client.submit_iteration(run, 1, tasks(4))
+        with pytest.raises(CoordinatorTimeoutError, match=r"did not seal within 1.6s"):
+            client.wait_sealed(run, 1, timeout_s=1.6)
+        client.wait_sealed(run, 1, timeout_s=30)
+        started = time.monotonic()
+        client.submit_iteration(run, 2, tasks(4))
+        manifest = client.wait_sealed(run, 2, timeout_s=1.6, while_progressing=True)
+        assert manifest["tasks_done"] == 4 and time.monotonic() - started > 1.6, manifest
+        client.submit_iteration(run, 3, tasks(4))
+        wait_until(lambda: w.events("done") and w.events("done")[-1]["iteration"] == 3, 20, message="a task of iteration 3 done")
+        w.signal(signal.SIGSTOP)  # silent: its tasks stay running (its lease is the coordinator's default)
+        try:
+            with pytest.raises(CoordinatorTimeoutError, match=r"did not seal with no group finished for 1.6s: [0-2]/4 done"):
+                client.wait_sealed(run, 3, timeout_s=1.6, while_progressing=True)
+        finally:
+            w.signal(signal.SIGCONT)
+
+
 def test_sigkill_worker_mid_iteration_every_task_completes_once_on_survivors(coordinator, workers):
     run = "kill-worker"
     ws = [workers(coordinator.address, run, f"w{i}", 0.15) for i in range(3)]

@@ -14,13 +14,15 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_a_rollout_that_does_not_seal_in_time_names_rollout_seal_timeout_s():
     class Client:
-        def wait_sealed(self, run, iteration, *, timeout_s, check):
-            raise CoordinatorTimeoutError(f"iteration {iteration} of run {run!r} did not seal within {timeout_s:.1f}s: 3/10 done")
+        def wait_sealed(self, run, iteration, *, timeout_s, check, while_progressing):
+            assert while_progressing  # the deadline counts from the last group that finished
+            raise CoordinatorTimeoutError(f"iteration {iteration} of run {run!r} did not seal with no group finished "
+                                          f"for {timeout_s:.1f}s: 3/10 done")
 
     t = NodeTrainer.__new__(NodeTrainer)
     t.cfg = SimpleNamespace(run=SimpleNamespace(run_id="r", rl_phase="both"), rollout=SimpleNamespace(seal_timeout_s=7.5))
     t.rollout, t.reformer, t.client = None, None, Client()
-    with pytest.raises(CoordinatorTimeoutError, match=r"did not seal within 7.5s: 3/10 done \(rollout.seal_timeout_s = 7.5: raise it"):
+    with pytest.raises(CoordinatorTimeoutError, match=r"no group finished for 7.5s: 3/10 done \(rollout.seal_timeout_s = 7.5: raise it"):
         t._rollout(4)
 
 
