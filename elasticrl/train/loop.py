@@ -640,6 +640,7 @@ class NodeTrainer(InPlace):
                 except Exception as exc:  # noqa: BLE001 - raised again unless a rank was lost (_reform)
                     first = self._reform(exc)
             updating = self.cfg.run.rl_phase != "rollout"
+            self.recovery.wait_checkpoint()  # the last one, written in the background
             if self.cfg.checkpoint.export_hf and updating:
                 self._export()
             if self.world.rank == 0 and self.recovery.last_checkpoint:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from elasticrl.config import ConfigError, NodeConfig, to_dict
 from elasticrl.config.node import model_identity
 from elasticrl.train import checkpoint as ckpt, stop
+from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, broadcast_json, broadcast_tensors
 from elasticrl.train.shard_wire import WireError, move
 from elasticrl.train.shards import Chunk, ShardError, read_shards, saved_tensors
@@ -48,6 +49,11 @@ from elasticrl.train.snapshot import Snapshots
 from elasticrl.train.snapshot_plan import Held, SnapshotId, choose, default_dir, fetch_plan, run_root, shard_file
 
 log = logging.getLogger(__name__)
+
+# A checkpoint written in the background must be done within this long, or at this many bytes per
+# second (a disk slower than that stops the run instead of hanging it at the end).
+CHECKPOINT_WRITE_MIN_S = 600.0
+CHECKPOINT_WRITE_MIN_BYTES_S = 20e6
 
 
 @dataclasses.dataclass
@@ -71,6 +77,8 @@ class Recovery:
         self.snapshots: Snapshots | None = None
         self.group = None
         self.last_checkpoint = ""
+        self._checkpointing: BackgroundCall | None = None
+        self._checkpoint_limit_s = 0.0
         self._forget_flush = lambda: None
         self._finished = False
 
@@ -252,16 +260,33 @@ class Recovery:
         optimizer_state = strategy.full_optimizer_state_dict(all_ranks=c.every_node)
         if not (world.rank == 0 or (c.every_node and world.local_rank == 0)):
             return
-        ref = None if reference is None else {k: v.detach().cpu() for k, v in reference.state_dict().items()}
-        # With its record: a world resumed from it adds the record if the iteration was not reported.
-        self.last_checkpoint = ckpt.save_checkpoint(self.ckpt_dir, iteration, model_state, optimizer_state,
-                                                    {**meta, "metrics": metrics}, keep_last=c.keep_last, reference=ref)
-        log.info("saved checkpoint %s", self.last_checkpoint)
+        self.wait_checkpoint()  # the one before (its failure is raised here)
+        ref = None if reference is None else {k: v.detach().cpu().clone() for k, v in reference.state_dict().items()}
+        nbytes = sum(t.numel() * t.element_size() for t in (*model_state.values(), *(ref or {}).values()))
+        # The gathered copies are this call's own (the next step changes none of them), so the
+        # write goes on in the background while training does: on one node the others would wait
+        # for a big model's files at the next barrier (and time out there).
+        def write() -> None:
+            # With its record: a world resumed from it adds the record if the iteration was not reported.
+            self.last_checkpoint = ckpt.save_checkpoint(self.ckpt_dir, iteration, model_state, optimizer_state,
+                                                        {**meta, "metrics": metrics}, keep_last=c.keep_last, reference=ref)
+            log.info("saved checkpoint %s", self.last_checkpoint)
+
+        self._checkpointing = BackgroundCall(write, f"writing checkpoint {ckpt.checkpoint_dir(self.ckpt_dir, iteration)}")
+        self._checkpoint_limit_s = max(CHECKPOINT_WRITE_MIN_S, nbytes * 3 / CHECKPOINT_WRITE_MIN_BYTES_S)  # + Adam's 2x
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background, if any; re-raise its failure.
+        ``ElasticRLError`` if it writes slower than ``CHECKPOINT_WRITE_MIN_BYTES_S``."""
+        pending, self._checkpointing = self._checkpointing, None
+        if pending is not None:
+            pending.wait(self._checkpoint_limit_s)
 
     # -- the end -------------------------------------------------------------------------------------
 
     def before_finish(self) -> None:
-        """Every rank, before the final barrier: no snapshot write in flight."""
+        """Every rank, before the final barrier: no snapshot or checkpoint write in flight."""
+        self.wait_checkpoint()
         self._forget_flush()
         if self.snapshots is not None:
             self.snapshots.wait()
@@ -273,6 +298,9 @@ class Recovery:
             shutil.rmtree(run_root(self.cfg.run.run_dir, self.cfg.run.run_id), ignore_errors=True)
 
     def close(self) -> None:
+        pending = self._checkpointing
+        if pending is not None and not pending.settle(self._checkpoint_limit_s):  # a finished checkpoint is worth the wait
+            log.warning("%s: still running after %.0fs; left unfinished", pending.name, self._checkpoint_limit_s)
         if self.snapshots is not None and not self._finished:
             try:  # the last recorded iteration's snapshot, even when this iteration failed
                 self.snapshots.flush()

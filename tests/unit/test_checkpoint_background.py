@@ -1,0 +1,88 @@
+"""A disk checkpoint is written in the background on its writer ranks: training goes on (the
+other nodes do not wait at the next barrier for a big model's files), the next checkpoint and the
+end of the run wait for it, and its failure, or a disk slower than the limit, is raised there."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from elasticrl.errors import ElasticRLError
+from elasticrl.train import recovery
+from elasticrl.train.recovery import Recovery
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Strategy:
+    def full_model_state_dict(self, *, all_ranks=False):
+        return {"w": torch.ones(4)}
+
+    def full_optimizer_state_dict(self, *, all_ranks=False):
+        return {"state": {}, "param_groups": []}
+
+
+def made(rank: int = 0) -> Recovery:
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_node=False, keep_last=2))
+    r = Recovery.__new__(Recovery)
+    r.cfg, r.world, r.ckpt_dir = cfg, SimpleNamespace(rank=rank, local_rank=rank), "/nonexistent/ckpts"
+    r.last_checkpoint, r._checkpointing, r._checkpoint_limit_s = "", None, 0.0
+    return r
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """ckpt.save_checkpoint that blocks until its gate opens, or raises what it is told to."""
+    state = SimpleNamespace(gate=threading.Event(), started=[], fail=None)
+
+    def save(root, iteration, model, optimizer, meta, *, keep_last, reference=None):
+        state.started.append(iteration)
+        assert state.gate.wait(10)
+        if state.fail is not None:
+            raise state.fail
+        return f"{root}/iter-{iteration:06d}"
+
+    monkeypatch.setattr(recovery.ckpt, "save_checkpoint", save)
+    return state
+
+
+def test_the_write_goes_on_in_the_background_and_the_end_waits_for_it(writes):
+    r = made()
+    r.save_checkpoint(Strategy(), 4, {}, None, {})  # returns with the write blocked
+    assert writes.started == [4] and r.last_checkpoint == ""
+    writes.gate.set()
+    r.wait_checkpoint()
+    assert r.last_checkpoint == "/nonexistent/ckpts/iter-000004"
+    r.save_checkpoint(Strategy(), 8, {}, None, {})
+    r.snapshots, r._forget_flush = None, lambda: None  # (snapshots off)
+    r.before_finish()
+    assert r.last_checkpoint == "/nonexistent/ckpts/iter-000008"
+
+
+def test_a_failed_write_is_raised_at_the_next_checkpoint(writes):
+    r = made()
+    writes.fail = OSError(28, "No space left on device")
+    r.save_checkpoint(Strategy(), 4, {}, None, {})
+    writes.gate.set()
+    with pytest.raises(OSError, match="No space left"):
+        r.save_checkpoint(Strategy(), 8, {}, None, {})
+    assert writes.started == [4]  # the next one was not started on top of a failure
+
+
+def test_a_write_slower_than_the_limit_stops_the_run_naming_the_checkpoint(writes, monkeypatch):
+    monkeypatch.setattr(recovery, "CHECKPOINT_WRITE_MIN_S", 0.2)
+    r = made()
+    r.save_checkpoint(Strategy(), 4, {}, None, {})
+    with pytest.raises(ElasticRLError, match=r"writing checkpoint /nonexistent/ckpts/iter-000004 did not finish within 0s"):
+        r.wait_checkpoint()
+    writes.gate.set()
+
+
+def test_ranks_that_do_not_write_gather_and_return(writes):
+    r = made(rank=1)
+    r.save_checkpoint(Strategy(), 4, {}, None, {})
+    r.wait_checkpoint()
+    assert writes.started == [] and r._checkpointing is None
