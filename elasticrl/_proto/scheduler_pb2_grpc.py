@@ -91,7 +91,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Work(self, request_iterator, context):
-        """One stream per rollout engine: hello, then results and releases up; assignments, cancels
+        """One stream per rollout engine: hello, then results, releases and lease renewals up
+        (renewals only where the initial metadata names the "renew" feature); assignments, cancels
         and acks down.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

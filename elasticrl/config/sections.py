@@ -146,8 +146,9 @@ class EngineConfig:
     device: str = ""
     """Device of the engine's model: empty means the trainer's (cuda:<local_rank> with nccl, else cpu)."""
     dtype: str = "float32"
-    """hf/vllm: dtype of the engine's weights (float32 gives logprobs the trainer reproduces exactly),
-    and of the weights rank 0 publishes to rollout-only workers (bfloat16/float16: half the bytes)."""
+    """hf/vllm: dtype of the engine's weights (float32 gives logprobs the trainer reproduces exactly).
+    On rank 0's node, bfloat16 also publishes the weights to rollout-only workers in bfloat16 (half
+    the bytes); give those workers the same dtype."""
     max_batch_rows: int = 64
     """hf: most sequences decoded together."""
     gpu_memory_utilization: float = 0.5

@@ -32,12 +32,14 @@ class HostOffload:
     def offload(self) -> None:
         """Device -> host, then free the device memory."""
         tensors = [*self.module.parameters(), *self.module.buffers()]  # each once
-        if len(tensors) != len(self.tensors) or any(a is not b for a, b in zip(tensors, self.tensors)):
-            # First sleep, or a tensor was replaced since (a buffer registered again, a resize).
-            self.tensors, self.host = tensors, None
-        if self.host is None:
+        if self.host is None or len(tensors) != len(self.tensors) or any(a is not b for a, b in zip(tensors, self.tensors)):
+            # First sleep, or a tensor was replaced since (a buffer registered again, a resize):
+            # a host buffer per tensor, the old one where the same tensor still fits it.
+            kept = {id(t): h for t, h in zip(self.tensors, self.host or ())}
             pin = self.device.type == "cuda"
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self.tensors]
+            self.host = [h if (h := kept.get(id(t))) is not None and h.shape == t.shape and h.dtype == t.dtype
+                         else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
+            self.tensors = tensors
         for host, t in zip(self.host, self.tensors):
             host.copy_(t.data, non_blocking=True)
         self._synchronize()

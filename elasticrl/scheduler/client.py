@@ -60,7 +60,8 @@ class SchedulerClient(CoordinatorClient):
         """Queue an iteration's tasks; False if it was already submitted with the same tasks.
 
         ``deadline_s`` (0: none): after it, the iteration seals once ``min_fraction`` of its groups
-        are done. ``task_lease_s`` (0: 600 s): a task unfinished this long after its assignment is
+        are done. ``task_lease_s`` (0: 600 s): a task unfinished this long after its assignment, or
+        after its worker's last renewal (``RenewTasks``, sent while its engine advances), is
         requeued. ``backup_tasks``: dynamic policy only, how many backup copies of the last
         straggling tasks idle workers may run. ``max_task_failures``: failed attempts (environment
         errors) after which a task is given up. ``writer`` (member id, incarnation): refused once

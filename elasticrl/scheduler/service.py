@@ -33,7 +33,7 @@ from elasticrl.scheduler.convert import (
     served_fields_pb,
     task_from_pb,
 )
-from elasticrl.scheduler.state import IterationConfig
+from elasticrl.scheduler.state import WORK_FEATURES, IterationConfig
 from elasticrl.scheduler.weights import CHUNK_BYTES, WeightStore
 from elasticrl.weights import directory
 
@@ -251,7 +251,7 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await abort_with(context, exc)
             return
-        await context.send_initial_metadata(())
+        await context.send_initial_metadata((WORK_FEATURES,))
         reader = asyncio.create_task(self._read(conn, requests), name=f"work-read-{conn.worker.member_id}")
         reason = "stream ended"
         writer = outbox.Writer(conn)

@@ -17,9 +17,13 @@ import sys
 
 
 RELEASE_STOPPING = "worker stopping"
-MAX_ERRORS = 5
 """The reason a worker gives when it releases tasks because it is stopping: the scheduler hands
 it nothing more (it would only give it back)."""
+MAX_ERRORS = 5
+WORK_FEATURES = ("elasticrl-work-features", "renew")
+"""The Work stream's initial metadata: what this coordinator reads beyond hello, results and
+releases. A worker sends ``RenewTasks`` only to a coordinator that names ``renew`` (an older one
+ends the stream on a message it does not know)."""
 
 
 class Policy(str, enum.Enum):

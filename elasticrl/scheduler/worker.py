@@ -37,16 +37,15 @@ from elasticrl.errors import CoordinatorUnavailableError, ElasticRLError, Fenced
 from elasticrl.repeats import Repeats
 from elasticrl.scheduler import framing
 from elasticrl.scheduler.convert import task_from_pb
-from elasticrl.scheduler.state import RELEASE_STOPPING, GroupRecord, TaskFailure, TaskSpec
+from elasticrl.scheduler.state import RELEASE_STOPPING, WORK_FEATURES, GroupRecord, TaskFailure, TaskSpec
 
 log = logging.getLogger(__name__)
 
 
 WORK_METHOD = "/elasticrl.v1.Scheduler/Work"
-# How often task leases are renewed: a quarter of the shortest lease running, within these bounds.
-RENEW_MIN_S = 0.25
+# A task lease is renewed at most every eighth of the lease; the renewal tick stays within these bounds.
+RENEW_MIN_S = 0.05
 RENEW_MAX_S = 30.0
-RENEW_IDLE_S = 1.0  # with no task running: a task assigned meanwhile waits at most this long
 
 
 def _request_bytes(request: spb.WorkRequest | bytes) -> bytes:
@@ -68,12 +67,17 @@ class Assignment:
     """``time.monotonic()`` of the engine's last word of progress on it (``progress``)."""
     renewed_at: float = 0.0
     """When the worker last asked the coordinator to renew its task lease."""
+    on_progress: Callable[[], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    """Wakes the worker's lease renewal (set by the worker)."""
 
     def progress(self) -> None:
         """The engine advanced on this task (an episode's turn ended); any thread may call it. The
-        worker then renews the task's lease (``RenewTasks``) at its next renewal tick, so a long
-        episode that keeps advancing is not handed to another engine when ``lease_s`` passes."""
+        worker renews the task's lease (``RenewTasks``) within ``lease_s / 8``, so a long episode
+        that keeps advancing is not handed to another engine when ``lease_s`` passes."""
+        first = self.progressed_at <= self.renewed_at  # since the last renewal: one wake-up each
         self.progressed_at = time.monotonic()
+        if first and self.on_progress is not None:
+            self.on_progress()
 
 
 def by_iteration(items: list[Assignment]) -> list[list[Assignment]]:
@@ -167,6 +171,8 @@ class RolloutWorker:
         self._stopping = False
         self._leaving = False  # a clean stop's leave is on its way: the stream's end says nothing
         self._acked = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._renew_wake: asyncio.Event | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -312,7 +318,9 @@ class RolloutWorker:
                 self._outbox = outbox
                 for request in self.unacked:  # the coordinator may not have stored them
                     outbox.put_nowait(request)
-                renewer = asyncio.create_task(self._renew_leases(), name=f"renew-{self.member_id}")
+                features = dict(await call.initial_metadata() or ()).get(WORK_FEATURES[0], "")
+                if WORK_FEATURES[1] in features.split(","):  # an older coordinator ends the stream on a renewal
+                    renewer = asyncio.create_task(self._renew_leases(), name=f"renew-{self.member_id}")
             async for resp in call:
                 for ack in resp.acks:  # sent with an assignment (or several together), oldest first
                     self._ack(ack)
@@ -344,18 +352,30 @@ class RolloutWorker:
             self._outbox = None
             outbox.put_nowait(None)
 
+    def _progressed(self) -> None:
+        """``Assignment.on_progress``, from an engine thread: wake the lease renewal."""
+        loop, wake = self._loop, self._renew_wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
     async def _renew_leases(self) -> None:
-        """Every quarter of the shortest task lease running here (``RENEW_MIN_S`` .. ``RENEW_MAX_S``;
-        ``RENEW_IDLE_S`` with none running), ask the coordinator to renew the leases of the tasks whose engine made progress since their
-        last renewal (``Assignment.progress``). Best effort, like a release: a renewal that does not
-        arrive leaves the lease to run out as if there had been none."""
+        """Ask the coordinator to renew the leases of the tasks whose engine made progress since
+        their last renewal (``Assignment.progress``), each at most every eighth of its lease: at
+        once when woken by a task's first progress since its renewal, else at the next tick (an
+        eighth of the shortest lease running, ``RENEW_MIN_S`` .. ``RENEW_MAX_S``). Best effort,
+        like a release: a renewal that does not arrive leaves the lease to run out."""
+        self._loop, self._renew_wake = asyncio.get_running_loop(), asyncio.Event()
         while True:
-            running = list(self._running.values())
-            every = min((a.lease_s for a in running), default=RENEW_IDLE_S * 4) / 4
-            await asyncio.sleep(min(max(every, RENEW_MIN_S), RENEW_MAX_S))
+            every = min((a.lease_s for a in self._running.values()), default=RENEW_MAX_S * 8) / 8
+            try:
+                async with asyncio.timeout(min(max(every, RENEW_MIN_S), RENEW_MAX_S)):
+                    await self._renew_wake.wait()
+            except TimeoutError:
+                pass
+            self._renew_wake.clear()
             now, due = time.monotonic(), {}
             for a in self._running.values():
-                if a.progressed_at > a.renewed_at:
+                if a.progressed_at > a.renewed_at and now - a.renewed_at >= a.lease_s / 8:
                     due.setdefault(a.iteration, []).append(a.task.task_id)
                     a.renewed_at = now
             for iteration, task_ids in sorted(due.items()):
@@ -390,7 +410,7 @@ class RolloutWorker:
                 # before it read the re-sent batch with its result, or while this copy still runs.
                 # The copy here answers it; a second run went past the slots and was refused.
                 continue
-            assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup)
+            assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup, on_progress=self._progressed)
             self._running[(a.iteration, spec.task_id)] = assignment
             items.append(assignment)
         batches = by_iteration(items) if self.generate_batch is not None else [[a] for a in items]

@@ -356,7 +356,9 @@ class NodeTrainer(InPlace):
             state = self.strategy.full_model_state_dict(all_ranks=True)  # collective; CPU copies
             with self.engine_lock:
                 self.engine.update_weights(state.items(), version=version)
-            if self.publisher is not None and self._publish_dtype() is not None:
+            if self.publisher is None:
+                state = None  # not kept through the snapshot: only rank 0 publishes
+            elif self._publish_dtype() is not None:
                 state = {k: host_copy(v, self._publish_dtype()) for k, v in state.items()}
         self.version = version
         return state
@@ -385,18 +387,25 @@ class NodeTrainer(InPlace):
         update: the lock is re-entrant), and whether every rank got its own. *Collective.* True:
         the caller releases it once. False: no rank holds one more than before."""
         got = self.engine_lock.acquire(blocking=False)
-        everyone = all_reduce_int(int(got), dist.ReduceOp.MIN) == 1
+        try:
+            everyone = all_reduce_int(int(got), dist.ReduceOp.MIN) == 1
+        except BaseException:  # a peer lost (the world re-forms): the engine must not stay locked
+            if got:
+                self.engine_lock.release()
+            raise
         if got and not everyone:
             self.engine_lock.release()
         return everyone
 
     def _publish_dtype(self) -> torch.dtype | None:
-        """The engines' dtype (``engine.dtype``), the weights' dtype on the wire to rollout-only
-        workers: a bf16 engine would cast an fp32 copy anyway, at twice the bytes to pack, send
-        and hold. None (as trained) for float32, auto and the tiny engine (which has no dtype)."""
-        if self.cfg.engine_name == "tiny":
+        """bfloat16 where this node's engine is (``engine.dtype``): the weights' dtype on the wire
+        to rollout-only workers, which would cast an fp32 copy anyway, at twice the bytes to pack,
+        send and hold (a worker whose engine is another dtype says so when it loads them). None
+        (as trained) otherwise: float32 and auto, float16 (an fp32 value past its range would
+        reach every worker as inf), the tiny engine (which has no dtype)."""
+        if self.cfg.engine_name == "tiny" or self.cfg.engine.dtype != "bfloat16":
             return None
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.cfg.engine.dtype)
+        return torch.bfloat16
 
     def _wait_published(self) -> float:
         """Wait for the previous weight upload; re-raise its failure. Returns the seconds waited."""

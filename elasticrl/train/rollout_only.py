@@ -52,12 +52,16 @@ class CoordinatorWeights:
     generation but an older policy, which must not pass for the policy an earlier generation's
     task asked for."""
 
-    def __init__(self, fetcher: WeightFetcher, run_id: str, engine, lock: threading.RLock, stop: threading.Event | None = None):
+    def __init__(self, fetcher: WeightFetcher, run_id: str, engine, lock: threading.RLock, stop: threading.Event | None = None,
+                 *, engine_dtype: str = ""):
         self.fetcher = fetcher
         self.run_id = run_id
         self.engine = engine
         self.lock = lock
         self.stop = stop or threading.Event()
+        self.engine_dtype = engine_dtype
+        """This worker's ``engine.dtype``: published weights of another float dtype are warned about once."""
+        self._dtype_warned = False
         self.weights_version = -1
         self.fetches = 0
         self._fetching = threading.Lock()  # the engine's batches wait here from several threads
@@ -96,12 +100,22 @@ class CoordinatorWeights:
             return
         version, blob = got
         state = unpack_state_dict(blob)
+        self._check_dtype(state)
         with self.lock:
             self.engine.update_weights(state.items(), version=version & POLICY_MASK)
         self.weights_version = version
         self.fetches += 1
         log.info("loaded published weights: generation %d, policy version %d (%.1f MB)",
                  version >> 32, version & POLICY_MASK, len(blob) / 1e6)
+
+    def _check_dtype(self, state: dict) -> None:
+        published = sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()})
+        if self._dtype_warned or self.engine_dtype in ("", "auto") or published in ([], [self.engine_dtype]):
+            return
+        self._dtype_warned = True
+        log.warning("the published weights are %s and this worker's engine.dtype is %s: they are cast on loading (a "
+                    "trainer whose rank-0 node has engine.dtype = bfloat16 publishes bfloat16; give both the same "
+                    "engine.dtype)", "/".join(published), self.engine_dtype)
 
     def catch_up(self, policy_version: int = 0) -> None:
         """Load a newer published version if there is one now, without waiting (at most every
@@ -162,7 +176,7 @@ def run(cfg: NodeConfig, *, member_id: str = "", slots: int = 0, weight: float =
         r = cfg.rollout
         fetcher = WeightFetcher(client, run_id, member_id, mode=r.weights_transfer, token=token, coordinator_address=c.address,
                                 relay_host=r.relay_host, relay_port=r.relay_port, stop=stop)
-        gate = CoordinatorWeights(fetcher, run_id, engine, lock, stop)
+        gate = CoordinatorWeights(fetcher, run_id, engine, lock, stop, engine_dtype=cfg.engine.dtype if cfg.engine_name != "tiny" else "")
         print(f"elasticrl rollout: waiting for the trainer's weights in run {run_id} at {c.address} ...", flush=True)
         _say_if_no_such_run(client, cfg.run.run_id, c.address)
         try:

@@ -103,13 +103,14 @@ def fetch_all(client: SchedulerClient, run: str, iteration: int, world_size: int
     return groups
 
 
-@pytest.mark.parametrize("progress", [True, False], ids=["advancing", "silent"])
+@pytest.mark.parametrize("progress", [0.3, 2.0, 0], ids=["advancing", "slow-turns", "silent"])
 def test_a_task_whose_engine_advances_keeps_its_lease_past_the_lease_time(coordinator, workers, progress):
-    """A task running 2.4 lease times on w0: with progress reported every 0.3 s (a multi-turn
-    episode's turns) its lease is renewed and w1, idle beside it, never gets a copy; without, the
-    lease runs out and w1 runs a copy, which finishes first."""
+    """A task running 2.4 lease times (2.5 s) on w0: with progress reported every 0.3 s, or every
+    2 s (turns of 80% of the lease: the renewal goes out at once), its lease is renewed and w1,
+    idle beside it, never gets a copy; without, the lease runs out and w1 runs a copy, which
+    finishes first."""
     run = f"renew-{progress}"
-    slow = workers(coordinator.address, run, "w0", 6.0, *(["--progress-every", "0.3"] if progress else []))
+    slow = workers(coordinator.address, run, "w0", 6.0, *(["--progress-every", str(progress)] if progress else []))
     with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
         wait_members(client, run, 1)
         client.submit_iteration(run, 1, tasks(1), task_lease_s=2.5)

@@ -904,14 +904,16 @@ def test_recovery_resumes_the_newest_complete_checkpoint_after_a_save_killed_mid
         if it % every == 0 or it == last:
             saved[it] = ({k: v.clone() for k, v in run.strategy.full_model_state_dict().items()}, run.strategy.full_optimizer_state_dict())
             rec.save_checkpoint(run.strategy, it, run.meta(it), reference, {"iteration": it})
+    rec.wait_checkpoint()  # the last one is written (in the background) before the crash points go in
     # One more iteration, its save killed at a random point: its checkpoint never counts.
     writer = Writer(rng, monkeypatch)
     run.step(last + 1)
     # Crash points before the rename: the pre-clean rmtree (nothing to delete), model, optimizer,
     # [reference], meta.json, rename.
     writer.kill_at = rng.randint(2, 5 + (1 if kl else 0))
-    with pytest.raises(Killed):
-        rec.save_checkpoint(run.strategy, last + 1, run.meta(last + 1), reference, {"iteration": last + 1})
+    rec.save_checkpoint(run.strategy, last + 1, run.meta(last + 1), reference, {"iteration": last + 1})
+    with pytest.raises(Killed):  # written in the background: its failure comes at the wait
+        rec.wait_checkpoint()
     writer.kill_at = 0
     for it in range(last + 2, last + 4):
         run.step(it)

@@ -84,8 +84,11 @@ def test_a_tensor_replaced_after_the_first_sleep_is_offloaded_too():
     offload = HostOffload(module, device)
     offload.offload()
     offload.wake()
+    kept = {id(t): h for t, h in zip(offload.tensors, offload.host)}
     module.register_buffer("scale", torch.full((6,), 3.0))  # a new buffer object (a dynamic RoPE does this)
     offload.offload()
+    reused = [h is kept.get(id(t)) for t, h in zip(offload.tensors, offload.host)]
+    assert reused.count(False) == 1  # only the new buffer got a new host buffer
     assert any(t is module.scale for t in offload.tensors)
     assert module.scale.data_ptr() == offload.host[[id(t) for t in offload.tensors].index(id(module.scale))].data_ptr()
     offload.wake()

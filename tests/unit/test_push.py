@@ -97,3 +97,44 @@ def test_a_gather_that_fails_is_raised_as_it_is():
     with pytest.raises(RuntimeError, match="a peer is gone"):
         push_full_tensors(Broken({}), engine, 1)
     assert list(engine.loaded) == ["a"]
+
+
+def free_elsewhere(lock) -> bool:
+    """Whether another thread could take ``lock`` now (an engine worker about to draw)."""
+    import threading
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=0.2) and (lock.release() or True)))
+    t.start()
+    t.join()
+    return got == [True]
+
+
+@pytest.mark.parametrize("others", ["hold", "draw", "lost"])
+def test_every_engine_is_held_or_none_and_a_lost_peer_leaves_it_free(monkeypatch, others):
+    """``_hold_every_engine``: streamed only when every rank got its engine lock; a rank whose
+    peer is drawing lets its own go; a failed all-reduce (a peer lost) does not keep it."""
+    import threading
+
+    from elasticrl.train import loop
+    from elasticrl.train.loop import NodeTrainer
+    from elasticrl.train.reform import WorldChangedError
+
+    def all_reduce_int(value, op):
+        if others == "lost":
+            raise WorldChangedError("rank 1 is gone")
+        return min(value, int(others == "hold"))
+
+    monkeypatch.setattr(loop, "all_reduce_int", all_reduce_int)
+    t = NodeTrainer.__new__(NodeTrainer)
+    t.engine_lock = threading.RLock()
+    if others == "lost":
+        with pytest.raises(WorldChangedError):
+            t._hold_every_engine()
+        assert free_elsewhere(t.engine_lock)
+    elif others == "draw":
+        assert t._hold_every_engine() is False and free_elsewhere(t.engine_lock)
+    else:
+        assert t._hold_every_engine() is True and not free_elsewhere(t.engine_lock)
+        t.engine_lock.release()
+        assert free_elsewhere(t.engine_lock)

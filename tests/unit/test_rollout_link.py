@@ -386,3 +386,20 @@ def test_a_rollout_only_gate_catches_up_to_the_newest_version_when_its_tasks_acc
     gate.wait(1, 1, 5)
     assert engine.loaded == [1, 2] and gate.weights_version == 2
     assert client.asked[-1] == 1  # the catch-up asked for anything newer than what the task needed
+
+
+@pytest.mark.parametrize("published, engine_dtype, warned", [
+    (torch.bfloat16, "float32", True), (torch.bfloat16, "bfloat16", False), (torch.float32, "float32", False),
+    (torch.bfloat16, "auto", False), (torch.float32, "", False),
+])
+def test_a_worker_says_once_when_the_published_weights_are_not_its_engines_dtype(monkeypatch, caplog, published, engine_dtype, warned):
+    state = {"w": torch.ones(2, dtype=published), "steps": torch.arange(3)}
+    monkeypatch.setattr("elasticrl.train.rollout_only.unpack_state_dict", lambda blob: state)
+    gate = CoordinatorWeights(FakeWeightsClient([1, 2]), "r.rollout", RecordingEngine(), threading.RLock(), engine_dtype=engine_dtype)
+    with caplog.at_level("WARNING", logger="elasticrl.train.rollout_only"):
+        gate.refresh(-1, 5)
+        gate.refresh(2, 5)
+    said = [r.getMessage() for r in caplog.records if "engine.dtype" in r.getMessage()]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert f"weights are bfloat16 and this worker's engine.dtype is {engine_dtype}" in said[0]

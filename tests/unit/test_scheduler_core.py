@@ -305,6 +305,25 @@ def test_a_renewed_task_lease_starts_again_from_the_renewal():
     assert accept(h, a, "t00")[0].accepted == 1  # whichever finishes first still wins
 
 
+def test_a_renewal_past_the_deadline_or_from_another_incarnation_or_a_fenced_worker_renews_nothing():
+    h = Harness()
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(2), IterationConfig(task_lease_s=10.0))
+    assert assigned(drain(a)) == ids(0, 1)
+    h.clock.now += 10.0  # the deadline passed, no tick yet: the holder is still there
+    assert set(h.it().tasks["t00"].holders) == {"a"}
+    assert h.sched.renew(a, 1, ["t00"]) == 0
+    h.clock.now -= 5.0
+    stale = dataclasses.replace(a.worker, incarnation=a.worker.incarnation + 1)
+    a.worker, real = stale, a.worker
+    assert h.sched.renew(a, 1, ["t00"]) == 0  # a copy another incarnation holds
+    a.worker = real
+    a.worker.fenced = True
+    assert h.sched.renew(a, 1, ["t01"]) == 0
+    a.worker.fenced = False
+    assert h.sched.renew(a, 1, ["t00", "t01"]) == 2
+
+
 def test_only_the_holder_renews_and_not_after_the_task_is_done_or_sealed():
     h = Harness()
     a = h.worker("a")
