@@ -6,7 +6,8 @@ being live the core's listener requeues everything it held). Like the coordinato
 change is written first (a shard file for accepted groups, then SQLite), then applied in memory,
 then pushed to whoever waits: a worker's outbox (assignments, cancels, acks) or a seal waiter.
 The result path (decide on arrival, write the shards, commit, ack) is ``results.ResultBook``,
-which this class inherits; the stream records (``WorkerConn``, outbox messages) are in ``stream``.
+and tasks handed back or held longer (release, lease renewal) are ``returns.TaskReturns``, both
+of which this class inherits; the stream records (``WorkerConn``, outbox messages) are in ``stream``.
 
 Invariants:
   * a task is DONE at most once; its group is the first result accepted for it, and every other
@@ -37,9 +38,8 @@ from elasticrl.errors import (
 )
 from elasticrl.scheduler import accounting, persist, policy, recovery
 from elasticrl.scheduler.results import ResultBook
+from elasticrl.scheduler.returns import TaskReturns
 from elasticrl.scheduler.state import (
-    MAX_ERRORS,
-    RELEASE_STOPPING,
     GroupRecord,
     Holder,
     Iteration,
@@ -76,7 +76,7 @@ DEFAULT_KEEP_ITERATIONS = 8
 REDISPATCH_S = 0.5
 
 
-class SchedulerCore(ResultBook):
+class SchedulerCore(ResultBook, TaskReturns):
     def __init__(
         self,
         coord: CoordinatorCore,
@@ -315,77 +315,7 @@ class SchedulerCore(ResultBook):
         log.debug("run %s iteration %d: task %s requeued (%s)", it.run_id, it.iteration, task.spec.task_id, why)
         return 1
 
-    def release(
-        self, conn: WorkerConn, iteration: int, task_ids: list[str], reason: str, *, failed: bool = False, env_errors: int = 0,
-    ) -> None:
-        """The worker gives tasks back unfinished: they are queued again for anyone. With
-        ``failed`` their attempt failed (an environment error): a task that failed
-        ``max_task_failures`` times is given up (FAILED) instead, and the iteration may seal
-        without it. A release naming an iteration this coordinator does not hold (never
-        submitted, or dropped since) is ignored: those tasks are nobody's to requeue any more."""
-        if reason == RELEASE_STOPPING:
-            conn.draining = True
-        it = self.iterations.get(conn.run_id, {}).get(iteration)
-        if it is None:
-            for task_id in task_ids:
-                self._free_slot(conn, (iteration, task_id))  # filled at the next dispatch
-            log.info(
-                "run %s: worker %s released %d task(s) of iteration %d, which this coordinator does not hold; ignored",
-                conn.run_id, conn.worker.member_id, len(task_ids), iteration,
-            )
-            return
-        given_up = []
-        with self.db.tx():
-            if failed and not it.sealed:
-                it.counters.env_errors += env_errors
-                if reason not in it.counters.errors:
-                    it.counters.errors = [*it.counters.errors, reason][-MAX_ERRORS:]
-                self.metrics.env_errors.inc(env_errors, run=conn.run_id)
-            for task_id in task_ids:
-                if self._free_slot(conn, (iteration, task_id)):
-                    task = it.tasks.get(task_id)
-                    if it.sealed or task is None:
-                        continue
-                    if failed and task.status is TaskStatus.RUNNING:
-                        task.failures += 1
-                        if conn.worker.member_id not in task.failed_on:
-                            task.failed_on += (conn.worker.member_id,)
-                        self.db.put_failures(it, task)
-                        if task.failures >= it.config.max_task_failures:
-                            given_up.append(task)
-                            continue
-                    self._requeue(it, task, conn.worker.member_id, f"released: {reason}")
-            self.db.put_counters(it)
-        for task in given_up:
-            task.status = TaskStatus.FAILED
-            task.holders.clear()
-            self._cancel_copies(it, task.spec.task_id)
-            log.warning("run %s iteration %d: task %s failed %d time(s), given up: %s",
-                        it.run_id, it.iteration, task.spec.task_id, task.failures, reason)
-        if given_up:
-            self._maybe_seal(it)
-        self._dispatch(conn.run_id, skip=conn)  # not straight back to the worker giving them up
-
     # -- dispatch ----------------------------------------------------------------------------
-
-    def renew(self, conn: WorkerConn, iteration: int, task_ids: list[str]) -> int:
-        """The worker's engine made progress on these tasks: the lease of its copy of each starts
-        again from now (``task_lease_s``). Only a live copy this worker holds is renewed; a task
-        done, sealed, not its own or already past its deadline (requeued) is left as it is.
-        Memory only, like the leases themselves. Returns how many were renewed."""
-        it = self.iterations.get(conn.run_id, {}).get(iteration)
-        if it is None or it.sealed or conn.worker.fenced:
-            return 0
-        now, renewed = self.clock(), 0
-        for task_id in task_ids:
-            task = it.tasks.get(task_id)
-            holder = task.holders.get(conn.worker.member_id) if task is not None else None
-            if (holder is None or task.status is not TaskStatus.RUNNING or holder.incarnation != conn.worker.incarnation
-                    or now >= holder.deadline):
-                continue
-            holder.deadline = now + it.config.task_lease_s
-            renewed += 1
-        return renewed
 
     def _slots_freed(self, conn: WorkerConn) -> None:
         """``conn``'s worker has free slots the last dispatch did not offer (see ``_dispatch``)."""

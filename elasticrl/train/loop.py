@@ -47,9 +47,10 @@ from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version, workers_run
 from elasticrl.train import reform
 from elasticrl.train.background import BackgroundCall
-from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, all_reduce_sum, broadcast_json, init_process_group, set_waiter
+from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, broadcast_json, init_process_group, set_waiter
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
+from elasticrl.train.push import hold_every_engine, host_copy, publish_dtype, push_full_tensors
 from elasticrl.train.model import build_engine, build_policy, build_runner
 from elasticrl.train.inplace import InPlace
 from elasticrl.train.recovery import Recovery
@@ -71,36 +72,6 @@ GENERATION_KEY = b"elasticrl/worker-generation"
 PROGRESS_KEY = b"elasticrl/last-iteration"
 PROGRESS_HEAD_START_S = 0.5
 
-
-def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A CPU copy of ``tensor`` that nothing else shares; a floating-point one cast to ``dtype``
-    first (on its own device: a bf16 copy crosses PCIe at half the bytes)."""
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.detach().to("cpu", copy=True)
-
-
-def push_full_tensors(strategy, engine, version: int, *, keep: dict | None = None, keep_dtype: torch.dtype | None = None) -> None:
-    """Put the strategy's full weights into ``engine`` one tensor at a time (``full_tensors``):
-    the peak is one gathered tensor on the training device, not the model, and a GPU engine copies
-    it device to device. ``keep``, when given, gets a CPU copy of each (for the publisher), its
-    floating-point tensors in ``keep_dtype``. Every rank walks the whole collective even when its
-    engine refuses a tensor: the rest is gathered and dropped, then the engine's error is raised,
-    so the other ranks do not wait in a gather."""
-    tensors = strategy.full_tensors()
-
-    def feed():
-        for name, tensor in tensors:
-            if keep is not None:
-                keep[name] = host_copy(tensor, keep_dtype)
-            yield name, tensor
-
-    try:
-        engine.update_weights(feed(), version=version)
-    except Exception:
-        for _ in tensors:  # what the engine did not take (not on SystemExit: the process is stopping)
-            pass
-        raise
 
 class NodeTrainer(InPlace):
     def __init__(self, config: NodeConfig, world: WorldInfo, logctx: WorkerLogContext | None = None):
@@ -343,11 +314,11 @@ class NodeTrainer(InPlace):
         if self.shares_module:
             with self.engine_lock:
                 self.engine.set_version(version)
-        elif self._hold_every_engine():
+        elif hold_every_engine(self.engine_lock):
             # Streamed: every rank holds its engine, so no gather waits for another rank's generate.
             try:
                 state = {} if self.publisher is not None else None  # rank 0 keeps a CPU copy to publish
-                push_full_tensors(self.strategy, self.engine, version, keep=state, keep_dtype=self._publish_dtype())  # collective
+                push_full_tensors(self.strategy, self.engine, version, keep=state, keep_dtype=publish_dtype(self.cfg))  # collective
             finally:
                 self.engine_lock.release()
         else:
@@ -358,8 +329,8 @@ class NodeTrainer(InPlace):
                 self.engine.update_weights(state.items(), version=version)
             if self.publisher is None:
                 state = None  # not kept through the snapshot: only rank 0 publishes
-            elif self._publish_dtype() is not None:
-                state = {k: host_copy(v, self._publish_dtype()) for k, v in state.items()}
+            elif publish_dtype(self.cfg) is not None:
+                state = {k: host_copy(v, publish_dtype(self.cfg)) for k, v in state.items()}
         self.version = version
         return state
 
@@ -373,7 +344,7 @@ class NodeTrainer(InPlace):
             return 0.0
         if state is None:  # a copy: the optimizer changes the shared module while the upload runs
             with self.engine_lock:
-                state = {k: host_copy(v, self._publish_dtype()) for k, v in self.strategy.unwrap().state_dict().items()}
+                state = {k: host_copy(v, publish_dtype(self.cfg)) for k, v in self.strategy.unwrap().state_dict().items()}
         waited = self._wait_published()
         wversion = weights_version(self.generation, version)
         self._publishing = BackgroundCall(
@@ -381,31 +352,6 @@ class NodeTrainer(InPlace):
             f"publishing policy version {version} ({self.publisher.mode})",
         )
         return waited
-
-    def _hold_every_engine(self) -> bool:
-        """Take this rank's engine lock if it is free (held already while the engine sleeps for the
-        update: the lock is re-entrant), and whether every rank got its own. *Collective.* True:
-        the caller releases it once. False: no rank holds one more than before."""
-        got = self.engine_lock.acquire(blocking=False)
-        try:
-            everyone = all_reduce_int(int(got), dist.ReduceOp.MIN) == 1
-        except BaseException:  # a peer lost (the world re-forms): the engine must not stay locked
-            if got:
-                self.engine_lock.release()
-            raise
-        if got and not everyone:
-            self.engine_lock.release()
-        return everyone
-
-    def _publish_dtype(self) -> torch.dtype | None:
-        """bfloat16 where this node's engine is (``engine.dtype``): the weights' dtype on the wire
-        to rollout-only workers, which would cast an fp32 copy anyway, at twice the bytes to pack,
-        send and hold (a worker whose engine is another dtype says so when it loads them). None
-        (as trained) otherwise: float32 and auto, float16 (an fp32 value past its range would
-        reach every worker as inf), the tiny engine (which has no dtype)."""
-        if self.cfg.engine_name == "tiny" or self.cfg.engine.dtype != "bfloat16":
-            return None
-        return torch.bfloat16
 
     def _wait_published(self) -> float:
         """Wait for the previous weight upload; re-raise its failure. Returns the seconds waited."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elasticrl.rollout.engine import WeightUpdateError
-from elasticrl.train.loop import push_full_tensors
+from elasticrl.train.push import push_full_tensors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,12 +112,11 @@ def free_elsewhere(lock) -> bool:
 
 @pytest.mark.parametrize("others", ["hold", "draw", "lost"])
 def test_every_engine_is_held_or_none_and_a_lost_peer_leaves_it_free(monkeypatch, others):
-    """``_hold_every_engine``: streamed only when every rank got its engine lock; a rank whose
+    """``hold_every_engine``: streamed only when every rank got its engine lock; a rank whose
     peer is drawing lets its own go; a failed all-reduce (a peer lost) does not keep it."""
     import threading
 
-    from elasticrl.train import loop
-    from elasticrl.train.loop import NodeTrainer
+    from elasticrl.train import push
     from elasticrl.train.reform import WorldChangedError
 
     def all_reduce_int(value, op):
@@ -125,16 +124,15 @@ def test_every_engine_is_held_or_none_and_a_lost_peer_leaves_it_free(monkeypatch
             raise WorldChangedError("rank 1 is gone")
         return min(value, int(others == "hold"))
 
-    monkeypatch.setattr(loop, "all_reduce_int", all_reduce_int)
-    t = NodeTrainer.__new__(NodeTrainer)
-    t.engine_lock = threading.RLock()
+    monkeypatch.setattr(push, "all_reduce_int", all_reduce_int)
+    lock = threading.RLock()
     if others == "lost":
         with pytest.raises(WorldChangedError):
-            t._hold_every_engine()
-        assert free_elsewhere(t.engine_lock)
+            push.hold_every_engine(lock)
+        assert free_elsewhere(lock)
     elif others == "draw":
-        assert t._hold_every_engine() is False and free_elsewhere(t.engine_lock)
+        assert push.hold_every_engine(lock) is False and free_elsewhere(lock)
     else:
-        assert t._hold_every_engine() is True and not free_elsewhere(t.engine_lock)
-        t.engine_lock.release()
-        assert free_elsewhere(t.engine_lock)
+        assert push.hold_every_engine(lock) is True and not free_elsewhere(lock)
+        lock.release()
+        assert free_elsewhere(lock)
