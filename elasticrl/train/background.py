@@ -1,9 +1,10 @@
 """One call on a daemon thread whose failure resurfaces where its result is awaited.
 
-The node runs two things off its critical path: rank 0 submits the next iteration's tasks while
-the current one updates, and uploads each new policy version to the coordinator while the next
-iteration rolls out. Both must not be lost silently: ``BackgroundCall.wait`` joins the thread
-with a deadline and re-raises whatever the call raised.
+The node runs a few things off its critical path: rank 0 submits the next iteration's tasks while
+the current one updates, uploads each new policy version while the next iteration rolls out, and
+records the run's progress; a checkpoint's writer ranks write its files while training goes on.
+None may be lost silently: ``BackgroundCall.wait`` joins the thread with a deadline and re-raises
+whatever the call raised.
 """
 
 from __future__ import annotations
