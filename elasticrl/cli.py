@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--keep-barriers", type=int, default=1000, metavar="N", help="decided barriers kept per run; older ones are forgotten (default: %(default)s)")
     c.add_argument("--keep-request-ids", type=int, default=100_000, metavar="N", help="request ids whose results are kept to answer retried calls exactly once (default: %(default)s)")
     c.add_argument("--max-runs", type=int, default=1000, metavar="N", help="runs held at once; at the limit a new run replaces the oldest closed run with no live member, or is refused (default: %(default)s)")
+    c.add_argument("--max-weights-gb", type=float, default=16, metavar="GIB", help="largest policy-weights blob a trainer may publish through the coordinator (rollout.weights_transfer = coordinator), GiB; the relay transfer does not pass through it (default: %(default)s)")
     c.add_argument("--max-weight-uploads", type=int, default=4, metavar="N", help="weight uploads received at once (each spools to a temp file); one more is refused with RESOURCE_EXHAUSTED (default: %(default)s)")
 
     sub.add_parser(
@@ -292,6 +293,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     try:
         if not (math.isfinite(args.max_message_mb) and 1 <= args.max_message_mb < 2048):
             raise ValueError(f"--max-message-mb: {args.max_message_mb} must be a number of MiB in [1, 2048) (max_message_bytes)")
+        if not (math.isfinite(args.max_weights_gb) and 1 / 1024 <= args.max_weights_gb <= 1 << 20):
+            raise ValueError(f"--max-weights-gb: {args.max_weights_gb} must be a number of GiB in [1/1024, 2**20] (max_weights_bytes)")
         config = CoordinatorConfig(
             host=args.host,
             port=args.port,
@@ -310,6 +313,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             metrics_port_file=args.metrics_port_file,
             max_weight_uploads=args.max_weight_uploads,
+            max_weights_bytes=int(args.max_weights_gb * (1 << 30)),
             keep_iterations=args.keep_iterations,
             keep_barriers=args.keep_barriers,
             keep_request_ids=args.keep_request_ids,

@@ -39,7 +39,7 @@ from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
 from elasticrl.scheduler import service as scheduler_service
 from elasticrl.scheduler.core import DEFAULT_KEEP_ITERATIONS, KEEP_SEALED_GROUPS, SchedulerCore
 from elasticrl.scheduler.store import TrajectoryStore
-from elasticrl.scheduler.weights import DEFAULT_MAX_UPLOADS, DIR_NAME as WEIGHTS_DIR, WeightStore
+from elasticrl.scheduler.weights import DEFAULT_MAX_BLOB_BYTES, DEFAULT_MAX_UPLOADS, DIR_NAME as WEIGHTS_DIR, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,10 @@ class CoordinatorConfig:
     max_weight_uploads: int = DEFAULT_MAX_UPLOADS
     """Weight uploads (PublishWeights streams) received at once; one more is refused with
     RESOURCE_EXHAUSTED. Each spools to a temp file under the state dir (or a temp dir), not memory."""
+    max_weights_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    """Largest policy-weights blob a trainer may publish through this coordinator
+    (``rollout.weights_transfer = "coordinator"``), bytes; a larger one is refused with
+    RESOURCE_EXHAUSTED. The relay transfer does not pass through the coordinator."""
     keep_iterations: int = DEFAULT_KEEP_ITERATIONS
     """Sealed iterations kept per run; older ones leave memory and SQLite, their shards are deleted
     (manifests stay; up to 2 GiB of their files are kept to be overwritten by new shards, recycle.py)."""
@@ -151,6 +155,8 @@ class CoordinatorConfig:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.keep_iterations < KEEP_SEALED_GROUPS:
             raise ValueError(f"keep_iterations: {self.keep_iterations} must be >= {KEEP_SEALED_GROUPS} (trainers fetch the newest two)")
+        if self.max_weights_bytes < 1 << 20:
+            raise ValueError(f"max_weights_bytes: {self.max_weights_bytes} must be at least 1 MiB")
         if self.max_weight_uploads < 1:
             raise ValueError(f"max_weight_uploads: {self.max_weight_uploads} must be >= 1 (uploads received at once)")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -305,7 +311,8 @@ class CoordinatorServer:
             self.core, TrajectoryStore(trajectories, fsync=config.fsync), keep_iterations=config.keep_iterations
         )
         weights_dir = None if config.state_dir is None else os.path.join(config.state_dir, WEIGHTS_DIR)
-        self.weights = WeightStore(weights_dir, fsync=config.fsync, max_uploads=config.max_weight_uploads)
+        self.weights = WeightStore(weights_dir, fsync=config.fsync, max_uploads=config.max_weight_uploads,
+                                   max_blob_bytes=config.max_weights_bytes)
         self.core.run_dropped_listeners.append(self.weights.drop_run)
         scheduler_service.add_to_server(scheduler_service.SchedulerServicer(
             self.scheduler, weights=self.weights, max_message_bytes=config.max_message_bytes), self.server)

@@ -168,7 +168,8 @@ class UploadHeader:
         if total_bytes > max_blob_bytes:
             raise ResourceLimitError(
                 f"total_bytes: {total_bytes} bytes ({total_bytes / 2**30:.2f} GiB) exceeds this coordinator's "
-                f"weights limit of {max_blob_bytes} bytes ({max_blob_bytes / 2**30:.2f} GiB)"
+                f"weights limit of {max_blob_bytes} bytes ({max_blob_bytes / 2**30:.2f} GiB; its --max-weights-gb), or use "
+                "rollout.weights_transfer = relay, which does not pass through it"
             )
         return cls(run_id, version, total_bytes, sha256, format)
 

@@ -268,9 +268,10 @@ def bad_coordinator_flag(rng: random.Random, tmp: pathlib.Path) -> tuple[list[st
         "--tick": ["0", "-1", "1e-9", "10", "nan", "inf"],
         "--stream-grace": ["-1", "-1e-9", "nan", "inf"],
         "--max-message-mb": ["0.5", "-1", "2048", "1e30", "0", "nan", "inf"],
+        "--max-weights-gb": ["0", "-1", "0.0001", "1e30", "nan", "inf"],
     }
     names = {
-        "--max-message-mb": ["max_message_bytes"], "--port": ["port:"], "--metrics-port": ["metrics_port"],
+        "--max-message-mb": ["max_message_bytes"], "--max-weights-gb": ["max_weights_bytes"], "--port": ["port:"], "--metrics-port": ["metrics_port"],
         "--lease-ttl": ["lease_ttl"], "--tick": ["tick_s"], "--stream-grace": ["stream_grace"],
     }
     kind = rng.choice(["int", "float", "type", "missing", "unknown", "path", "host"])
@@ -322,6 +323,7 @@ def test_random_coordinator_flags(coordinator_factory, tmp_path, seed):
         "--max-runs", str(rng.choice([1, 5, 1000])),
         "--max-message-mb", str(rng.choice([2, 64, 2047.5])),  # 1 MiB would need --max-kv-value-bytes below it
         "--stream-grace", str(rng.choice([0, 0.5, 2])),
+        "--max-weights-gb", str(rng.choice([0.5, 16, 1024])),
     ]
     coord = coordinator_factory(lease_ttl_s=lease, durable=rng.random() < 0.5, extra_args=extra)
     out = cli(["status", "--coordinator", coord.address, "--json", "--timeout", "5"])

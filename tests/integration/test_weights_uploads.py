@@ -98,6 +98,19 @@ def test_an_upload_declaring_3_gib_costs_no_memory_for_the_declared_size(coordin
     wait_until(lambda: not temp_files(coordinator), 20, message="the torn upload's temp file being removed")
 
 
+@pytest.mark.timeout(60)
+def test_the_weights_limit_is_the_coordinators_max_weights_gb(coordinator_factory):
+    from elasticrl.errors import ResourceLimitError
+
+    coordinator = coordinator_factory(extra_args=["--max-weights-gb", str(2 / 1024)])  # 2 MiB
+    small, big = blob(1), pack_state_dict({"w": torch.zeros(1 << 20)})  # 4 MiB of fp32
+    with SchedulerClient(coordinator.address, call_timeout_s=10) as client:
+        with pytest.raises(ResourceLimitError, match=r"weights limit of 2097152 bytes .*--max-weights-gb"):
+            client.publish_weights(RUN, 1, bytes(big))
+        client.publish_weights(RUN, 2, bytes(small))
+        assert client.fetch_weights(RUN) == (2, bytes(small))
+
+
 @pytest.mark.timeout(120)
 def test_concurrent_uploads_are_capped_and_a_torn_one_frees_its_slot_and_file(coordinator_factory):
     coordinator = coordinator_factory(extra_args=["--max-weight-uploads", "2"])

@@ -118,7 +118,7 @@ def test_a_later_chunk_may_not_switch_blobs():
         ({"sha256": "abc"}, InvalidRequestError, r"sha256: 'abc' is not 64 lowercase hex digits"),
         ({"version": -2}, InvalidRequestError, r"version: -2 must be >= 0"),
         ({"total_bytes": 0}, InvalidRequestError, r"total_bytes: 0 must be >= 1"),
-        ({"total_bytes": 1001}, ResourceLimitError, r"total_bytes: 1001 bytes .* exceeds this coordinator's weights limit of 1000"),
+        ({"total_bytes": 1001}, ResourceLimitError, r"total_bytes: 1001 bytes .* exceeds this coordinator's weights limit of 1000 bytes .*--max-weights-gb.*weights_transfer = relay"),
         ({"run_id": "../etc"}, InvalidRequestError, r"run_id: '../etc' is not a valid id"),
     ],
 )
