@@ -121,8 +121,9 @@ class SchedulerClient(CoordinatorClient):
             if manifest["sealed"]:
                 return manifest
             now_finished = manifest["tasks_done"] + manifest["tasks_failed"]
-            if while_progressing and now_finished > finished:
-                finished, give_up = now_finished, time.monotonic() + timeout_s
+            if while_progressing and now_finished > finished:  # since the last reply (groups found lost count down)
+                give_up = time.monotonic() + timeout_s
+            finished = now_finished
             if time.monotonic() >= give_up:
                 progress = (
                     f"{manifest['tasks_done']}/{manifest['tasks_total']} done, {manifest['tasks_running']} running"

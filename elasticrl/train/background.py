@@ -35,6 +35,11 @@ class BackgroundCall:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What the call raised, once it ended (``settle`` does not re-raise it)."""
+        return self._failure
+
     def settle(self, timeout_s: float) -> bool:
         """Give the call up to ``timeout_s`` to finish, without re-raising: whether it did."""
         self._thread.join(timeout=timeout_s)

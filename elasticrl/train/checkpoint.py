@@ -110,16 +110,20 @@ def save_checkpoint(
     tmp = os.path.join(root, f".tmp-iter-{iteration:06d}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    opt_tensors, opt_rest = flatten_optimizer(optimizer_state)
-    save_file(model_state, os.path.join(tmp, MODEL_FILE))
-    save_file(opt_tensors, os.path.join(tmp, OPTIMIZER_FILE))
-    if reference is not None:
-        save_file(reference, os.path.join(tmp, REFERENCE_FILE))
-    full_meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta, "optimizer": opt_rest}
-    with open(os.path.join(tmp, META_FILE), "w") as f:
-        json.dump(full_meta, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        opt_tensors, opt_rest = flatten_optimizer(optimizer_state)
+        save_file(model_state, os.path.join(tmp, MODEL_FILE))
+        save_file(opt_tensors, os.path.join(tmp, OPTIMIZER_FILE))
+        if reference is not None:
+            save_file(reference, os.path.join(tmp, REFERENCE_FILE))
+        full_meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta, "optimizer": opt_rest}
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(full_meta, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception:  # a full disk, say: this process's temp directory is not left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     hold_s = float(os.environ.get(CHECKPOINT_HOLD_ENV) or 0)
     if hold_s > 0:  # fault injection only (see CHECKPOINT_HOLD_ENV)
         time.sleep(hold_s)
@@ -181,10 +185,37 @@ def _prune(root: str, keep_last: int, keep: str = "") -> None:
     for _, path in list_checkpoints(root)[:-keep_last]:
         if path != keep:
             shutil.rmtree(path, ignore_errors=True)
-    # Leftovers of crashed saves. Writers save the same iterations in lockstep, so a temporary
-    # directory of an older iteration than the newest complete one is nobody's work in progress.
-    newest = latest_iteration(root)
+    # Leftovers of crashed saves: a temporary directory of an iteration older than the newest
+    # complete one whose writer is gone. Writers save in the background (every node's, with
+    # every_node on a shared filesystem), so another one may still be writing an older iteration.
+    # This process writes one at a time (this one is renamed already), another process of this
+    # host is gone when its pid is, another host's once untouched for an hour.
+    newest, host = latest_iteration(root), socket.gethostname()
     for name in os.listdir(root):
         m = re.fullmatch(r"\.tmp-iter-(\d+)-.+", name)
-        if m and int(m.group(1)) < newest:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if not m or int(m.group(1)) >= newest:
+            continue
+        path, writer = os.path.join(root, name), re.fullmatch(r"\.tmp-iter-\d+-(.+)-(\d+)-[0-9a-f]+", name)
+        ours = writer is not None and writer.group(1) == host
+        if ours and (int(writer.group(2)) == os.getpid() or not _alive(int(writer.group(2)))) or _untouched_for(path, STALE_TEMP_S):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+STALE_TEMP_S = 3600.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _untouched_for(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except OSError:
+        return False

@@ -613,7 +613,9 @@ class NodeTrainer(InPlace):
         for iteration in range(first, self.cfg.run.iterations + 1):
             self.logctx.iteration = iteration
             saving = updating and (iteration == self.cfg.run.iterations or (every and iteration % every == 0))
-            extra = {"t_checkpoint": saving_s}  # the save after the previous iteration
+            # The save after the previous iteration, on this thread: its gather, and the wait for the
+            # write before it (the write itself runs in the background).
+            extra = {"t_checkpoint": saving_s}
             if saving:
                 extra["checkpoint"] = ckpt.checkpoint_dir(self.ckpt_dir, iteration)
             # The snapshot (taken in _iteration) holds the record, and a world resumed from it

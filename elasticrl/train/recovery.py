@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from elasticrl.config import ConfigError, NodeConfig, to_dict
 from elasticrl.config.node import model_identity
+from elasticrl.errors import ElasticRLError
 from elasticrl.train import checkpoint as ckpt, stop
 from elasticrl.train.background import BackgroundCall
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, broadcast_json, broadcast_tensors
@@ -78,7 +79,7 @@ class Recovery:
         self.group = None
         self.last_checkpoint = ""
         self._checkpointing: BackgroundCall | None = None
-        self._checkpoint_limit_s = 0.0
+        self._checkpoint_deadline = 0.0
         self._forget_flush = lambda: None
         self._finished = False
 
@@ -260,8 +261,11 @@ class Recovery:
         optimizer_state = strategy.full_optimizer_state_dict(all_ranks=c.every_node)
         if not (world.rank == 0 or (c.every_node and world.local_rank == 0)):
             return
-        self.wait_checkpoint()  # the one before (its failure is raised here)
-        ref = None if reference is None else {k: v.detach().cpu().clone() for k, v in reference.state_dict().items()}
+        # The one before, its failure raised here. (Gathered first: the other ranks are in the
+        # gather meanwhile, and a collective has a time limit; so while a write lags, this host
+        # holds two full copies of the state for a moment.)
+        self.wait_checkpoint()
+        ref = None if reference is None else {k: v.detach().to("cpu", copy=True) for k, v in reference.state_dict().items()}
         nbytes = sum(t.numel() * t.element_size() for t in (*model_state.values(), *(ref or {}).values()))
         # The gathered copies are this call's own (the next step changes none of them), so the
         # write goes on in the background while training does: on one node the others would wait
@@ -272,15 +276,24 @@ class Recovery:
                                                         {**meta, "metrics": metrics}, keep_last=c.keep_last, reference=ref)
             log.info("saved checkpoint %s", self.last_checkpoint)
 
+        limit = max(CHECKPOINT_WRITE_MIN_S, nbytes * 3 / CHECKPOINT_WRITE_MIN_BYTES_S)  # + Adam's 2x
+        self._checkpoint_deadline = time.monotonic() + limit
         self._checkpointing = BackgroundCall(write, f"writing checkpoint {ckpt.checkpoint_dir(self.ckpt_dir, iteration)}")
-        self._checkpoint_limit_s = max(CHECKPOINT_WRITE_MIN_S, nbytes * 3 / CHECKPOINT_WRITE_MIN_BYTES_S)  # + Adam's 2x
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, if any; re-raise its failure.
-        ``ElasticRLError`` if it writes slower than ``CHECKPOINT_WRITE_MIN_BYTES_S``."""
+        ``ElasticRLError`` if it is not written by its deadline: ``CHECKPOINT_WRITE_MIN_S`` after it
+        started, or its bytes (3x the weights: Adam's two moments) at ``CHECKPOINT_WRITE_MIN_BYTES_S``."""
         pending, self._checkpointing = self._checkpointing, None
-        if pending is not None:
-            pending.wait(self._checkpoint_limit_s)
+        if pending is None:
+            return
+        try:
+            pending.wait(max(0.0, self._checkpoint_deadline - time.monotonic()))
+        except ElasticRLError as exc:
+            if not pending.running:
+                raise
+            raise ElasticRLError(f"{pending.name}: not written by its deadline (a disk slower than "
+                                 f"{CHECKPOINT_WRITE_MIN_BYTES_S / 1e6:g} MB/s; {CHECKPOINT_WRITE_MIN_S:g} s at least)") from exc
 
     # -- the end -------------------------------------------------------------------------------------
 
@@ -298,9 +311,15 @@ class Recovery:
             shutil.rmtree(run_root(self.cfg.run.run_dir, self.cfg.run.run_id), ignore_errors=True)
 
     def close(self) -> None:
-        pending = self._checkpointing
-        if pending is not None and not pending.settle(self._checkpoint_limit_s):  # a finished checkpoint is worth the wait
-            log.warning("%s: still running after %.0fs; left unfinished", pending.name, self._checkpoint_limit_s)
+        pending, self._checkpointing = self._checkpointing, None
+        if pending is not None:  # a finished checkpoint is worth the wait
+            left = max(0.0, self._checkpoint_deadline - time.monotonic())
+            if pending.running:
+                log.info("%s: waiting up to %.0fs for it to finish", pending.name, left)
+            if not pending.settle(left):
+                log.warning("%s: not finished; left unfinished", pending.name)
+            elif pending.failure is not None:
+                log.error("%s failed: %s: %s", pending.name, type(pending.failure).__name__, pending.failure)
         if self.snapshots is not None and not self._finished:
             try:  # the last recorded iteration's snapshot, even when this iteration failed
                 self.snapshots.flush()

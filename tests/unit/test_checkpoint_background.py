@@ -29,7 +29,7 @@ def made(rank: int = 0) -> Recovery:
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_node=False, keep_last=2))
     r = Recovery.__new__(Recovery)
     r.cfg, r.world, r.ckpt_dir = cfg, SimpleNamespace(rank=rank, local_rank=rank), "/nonexistent/ckpts"
-    r.last_checkpoint, r._checkpointing, r._checkpoint_limit_s = "", None, 0.0
+    r.last_checkpoint, r._checkpointing, r._checkpoint_deadline = "", None, 0.0
     return r
 
 
@@ -76,9 +76,20 @@ def test_a_write_slower_than_the_limit_stops_the_run_naming_the_checkpoint(write
     monkeypatch.setattr(recovery, "CHECKPOINT_WRITE_MIN_S", 0.2)
     r = made()
     r.save_checkpoint(Strategy(), 4, {}, None, {})
-    with pytest.raises(ElasticRLError, match=r"writing checkpoint /nonexistent/ckpts/iter-000004 did not finish within 0s"):
+    with pytest.raises(ElasticRLError, match=r"writing checkpoint /nonexistent/ckpts/iter-000004: not written by its deadline"):
         r.wait_checkpoint()
     writes.gate.set()
+
+
+def test_a_write_that_fails_while_the_node_closes_is_logged_not_lost(writes, caplog):
+    r = made()
+    r.snapshots, r._forget_flush, r._finished = None, lambda: None, False
+    writes.fail = OSError(28, "No space left on device")
+    r.save_checkpoint(Strategy(), 4, {}, None, {})
+    writes.gate.set()
+    with caplog.at_level("INFO", logger="elasticrl.train.recovery"):
+        r.close()
+    assert any(rec.levelname == "ERROR" and "iter-000004 failed: OSError" in rec.getMessage() for rec in caplog.records), caplog.text
 
 
 def test_ranks_that_do_not_write_gather_and_return(writes):

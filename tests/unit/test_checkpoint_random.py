@@ -39,6 +39,7 @@ import os
 import pathlib
 import random
 import shutil
+import socket
 import struct
 
 import pytest
@@ -502,7 +503,8 @@ def debris(rng: random.Random, root: str, every: int, newest: int, state) -> lis
         kind = rng.randrange(4)
         it = max(1, newest + rng.randint(-2 * every, 3 * every))
         if kind == 0:  # another process's half-written save
-            path = os.path.join(root, f".tmp-iter-{it:06d}-{rng.randint(2, 4_000_000)}")
+            # (its writer gone: this host, a pid past any pid_max)
+            path = os.path.join(root, f".tmp-iter-{it:06d}-{socket.gethostname()}-{4194305 + rng.randint(0, 999)}-{rng.getrandbits(32):08x}")
             os.makedirs(path, exist_ok=True)
             if rng.random() < 0.7:
                 ckpt.save_file(state, os.path.join(path, ckpt.MODEL_FILE))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -36,3 +37,23 @@ def test_an_iteration_too_large_for_one_message_is_refused_before_it_is_sent_nam
         with pytest.raises(ResourceLimitError, match=r"iteration 3's 8 tasks are .* MiB in one SubmitIteration, over .*"
                                                      r"task.prompts_per_iteration"):
             client.submit_iteration("r", 3, tasks)
+
+
+def test_a_wait_while_progressing_counts_from_the_last_group_that_finished_even_after_groups_were_lost(monkeypatch):
+    """done 10 -> 5 (a restarted coordinator found shards lost: their tasks run again) -> 6 -> 7
+    -> 8 -> sealed, a reply every 0.3 s and a 1 s limit: each new group restarts the wait."""
+    from elasticrl.scheduler import client as client_mod
+    from elasticrl.scheduler.client import SchedulerClient
+
+    done = iter([10, 5, 6, 7, 8, None])
+
+    def call(self, name, request, *, stub, timeout_s):
+        n = next(done)
+        time.sleep(0.3)
+        return SimpleNamespace(manifest=dict(sealed=n is None, tasks_done=n or 12, tasks_failed=0, tasks_total=12, tasks_running=1))
+
+    monkeypatch.setattr(SchedulerClient, "_call", call)
+    monkeypatch.setattr(client_mod, "manifest_from_pb", lambda m: m)
+    c = SchedulerClient.__new__(SchedulerClient)
+    c._sched = None
+    assert c.wait_sealed("r", 1, timeout_s=1.0, while_progressing=True)["sealed"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from safetensors import safe_open
 from elasticrl.config import ModelConfig
 from elasticrl.policy.tiny import TinyCausalLM
 from elasticrl.train import checkpoint as ckpt
+
+DEAD_PID = 4194305  # past the largest pid_max: no process has it
 
 
 def _trained_model_and_optimizer():
@@ -73,13 +77,25 @@ def test_only_complete_checkpoints_count_and_old_ones_are_pruned(tmp_path):
     for it in (5, 10, 15):
         ckpt.save_checkpoint(root, it, model.state_dict(), opt.state_dict(), {}, keep_last=2)
     assert [i for i, _ in ckpt.list_checkpoints(root)] == [10, 15]
-    # A crashed save leaves a temporary directory and an iter-* directory without meta.json:
-    os.makedirs(tmp_path / ".tmp-iter-000020-999")
+    # A crashed save leaves a temporary directory
+    # (its writer gone: a pid past any pid_max), and an iter-* directory without meta.json.
+    crashed = tmp_path / f".tmp-iter-000020-{socket.gethostname()}-{DEAD_PID}-0badf00d"
+    os.makedirs(crashed)
     os.makedirs(tmp_path / "iter-000020")
+    # Other writers still at work on an older iteration: a live process of this host (pid 1), and
+    # another host's fresh one.
+    running = [tmp_path / f".tmp-iter-000012-{socket.gethostname()}-1-12345678",
+               tmp_path / ".tmp-iter-000012-other-host-77-87654321"]
+    for path in running:
+        os.makedirs(path)
     assert ckpt.latest_iteration(root) == 15
     ckpt.save_checkpoint(root, 25, model.state_dict(), opt.state_dict(), {}, keep_last=2)
-    assert not (tmp_path / ".tmp-iter-000020-999").exists()
+    assert not crashed.exists() and all(path.exists() for path in running)
     assert [i for i, _ in ckpt.list_checkpoints(root)] == [15, 25]
+    stale = time.time() - ckpt.STALE_TEMP_S - 60
+    os.utime(running[1], (stale, stale))  # another host's, untouched for over an hour: gone
+    ckpt.save_checkpoint(root, 30, model.state_dict(), opt.state_dict(), {}, keep_last=2)
+    assert running[0].exists() and not running[1].exists()
 
 
 def test_a_second_writer_of_the_same_iteration_keeps_the_first(tmp_path):
