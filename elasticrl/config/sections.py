@@ -379,7 +379,10 @@ class CheckpointConfig:
     """When and where checkpoints (safetensors + JSON) are written and read back."""
 
     every_iterations: int = 10
-    """Save after every this many iterations (and always after the last); 0 saves only at the end."""
+    """Save after every this many iterations (and always after the last); 0 saves only at the end.
+    The state is gathered on the spot and its files are written in the background while training
+    goes on; a write not done 600 s after it started (more for a state past 4 GB: 20 MB/s) stops
+    the run."""
     dir: str = ""
     """Checkpoint directory; empty means <run_dir>/checkpoints."""
     keep_last: int = 2

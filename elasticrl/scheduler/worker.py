@@ -355,8 +355,11 @@ class RolloutWorker:
     def _progressed(self) -> None:
         """``Assignment.on_progress``, from an engine thread: wake the lease renewal."""
         loop, wake = self._loop, self._renew_wake
-        if loop is not None and wake is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(wake.set)
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed (the worker stopped): no renewal needed; never the episode's failure
+                pass
 
     async def _renew_leases(self) -> None:
         """Ask the coordinator to renew the leases of the tasks whose engine made progress since
