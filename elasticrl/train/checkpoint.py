@@ -196,8 +196,9 @@ def _prune(root: str, keep_last: int, keep: str = "") -> None:
         if not m or int(m.group(1)) >= newest:
             continue
         path, writer = os.path.join(root, name), re.fullmatch(r"\.tmp-iter-\d+-(.+)-(\d+)-[0-9a-f]+", name)
-        ours = writer is not None and writer.group(1) == host
-        if ours and (int(writer.group(2)) == os.getpid() or not _alive(int(writer.group(2)))) or _untouched_for(path, STALE_TEMP_S):
+        pid = int(writer.group(2)) if writer is not None and writer.group(1) == host else None
+        gone = pid is not None and (pid == os.getpid() or not _alive(pid))
+        if gone or _untouched_for(path, STALE_TEMP_S):
             shutil.rmtree(path, ignore_errors=True)
 
 

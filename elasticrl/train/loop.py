@@ -329,8 +329,8 @@ class NodeTrainer(InPlace):
                 self.engine.update_weights(state.items(), version=version)
             if self.publisher is None:
                 state = None  # not kept through the snapshot: only rank 0 publishes
-            elif publish_dtype(self.cfg) is not None:
-                state = {k: host_copy(v, publish_dtype(self.cfg)) for k, v in state.items()}
+            elif (dtype := publish_dtype(self.cfg)) is not None:
+                state = {k: host_copy(v, dtype) for k, v in state.items()}
         self.version = version
         return state
 

@@ -149,31 +149,25 @@ class DeepSpeedStrategy:
         return self.unwrap().state_dict(keep_vars=True)
 
     def full_model_state_dict(self, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        full: dict[int, torch.Tensor] = {}
-        for param in self._module_params():
-            value = safe_get_full_fp32_param(param) if param.requires_grad else None  # all-reduce/all-gather
-            if value is None:  # frozen: not in ZeRO's partitions
-                value = self._gather_frozen(param)
-            full[id(param)] = value.detach().float().cpu().clone()
+        full = {id(param): self._full_param(param).cpu().clone() for param in self._module_params()}
         # Tied weights: one gathered tensor, a copy of it per name (safetensors refuses aliases).
         return owned_cpu_tensors({
             name: full[id(t)] if id(t) in full else t.detach().cpu().clone() for name, t in self._named_tensors().items()
         })
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
         params = {id(p) for p in self._module_params()}
         for name, t in self._named_tensors().items():  # a tied weight is gathered under each name
-            if id(t) not in params:  # a buffer: every rank holds it
-                yield name, t.detach()
-                continue
-            value = safe_get_full_fp32_param(t) if t.requires_grad else None  # all-reduce/all-gather
-            if value is None:
-                value = self._gather_frozen(t)
-            yield name, value.detach().float()
+            yield name, self._full_param(t) if id(t) in params else t.detach()  # (a buffer: every rank holds it)
+
+    def _full_param(self, param: nn.Parameter) -> torch.Tensor:
+        """``param`` whole, in fp32, on its device. *Collective* (an all-reduce or all-gather)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        value = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if value is None:  # frozen: not in ZeRO's partitions
+            value = self._gather_frozen(param)
+        return value.detach().float()
 
     def _module_params(self) -> list[nn.Parameter]:
         """Every distinct parameter in ``named_parameters`` order: the same on every rank."""
