@@ -273,7 +273,7 @@ class NodeCounts(_message.Message):
     def __init__(self, node: _Optional[str] = ..., assigned: _Optional[int] = ..., done: _Optional[int] = ..., running: _Optional[int] = ..., refused: _Optional[int] = ..., tokens: _Optional[int] = ..., tasks_per_s: _Optional[float] = ..., slots: _Optional[int] = ..., evicted: _Optional[bool] = ...) -> None: ...
 
 class IterationManifest(_message.Message):
-    __slots__ = ("run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued", "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed", "backups_issued", "nodes", "evicted", "elapsed_s", "tokens", "policy", "sealed_ago_s", "tasks_failed", "env_errors", "errors", "groups_lost")
+    __slots__ = ("run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued", "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed", "backups_issued", "nodes", "evicted", "elapsed_s", "tokens", "policy", "sealed_ago_s", "tasks_failed", "env_errors", "errors", "groups_lost", "eval_total", "eval_done", "eval_failed")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,9 @@ class IterationManifest(_message.Message):
     ENV_ERRORS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVAL_DONE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FAILED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     iteration: int
     sealed: bool
@@ -320,7 +323,10 @@ class IterationManifest(_message.Message):
     env_errors: int
     errors: _containers.RepeatedScalarFieldContainer[str]
     groups_lost: int
-    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., sealed: _Optional[bool] = ..., seal_reason: _Optional[str] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., requeued: _Optional[int] = ..., refused_duplicate: _Optional[int] = ..., refused_fenced: _Optional[int] = ..., refused_sealed: _Optional[int] = ..., backups_issued: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeCounts, _Mapping]]] = ..., evicted: _Optional[_Iterable[str]] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., sealed_ago_s: _Optional[float] = ..., tasks_failed: _Optional[int] = ..., env_errors: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., groups_lost: _Optional[int] = ...) -> None: ...
+    eval_total: int
+    eval_done: int
+    eval_failed: int
+    def __init__(self, run_id: _Optional[str] = ..., iteration: _Optional[int] = ..., sealed: _Optional[bool] = ..., seal_reason: _Optional[str] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., tasks_running: _Optional[int] = ..., requeued: _Optional[int] = ..., refused_duplicate: _Optional[int] = ..., refused_fenced: _Optional[int] = ..., refused_sealed: _Optional[int] = ..., backups_issued: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeCounts, _Mapping]]] = ..., evicted: _Optional[_Iterable[str]] = ..., elapsed_s: _Optional[float] = ..., tokens: _Optional[int] = ..., policy: _Optional[_Union[SchedulePolicy, str]] = ..., sealed_ago_s: _Optional[float] = ..., tasks_failed: _Optional[int] = ..., env_errors: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., groups_lost: _Optional[int] = ..., eval_total: _Optional[int] = ..., eval_done: _Optional[int] = ..., eval_failed: _Optional[int] = ...) -> None: ...
 
 class WaitSealedRequest(_message.Message):
     __slots__ = ("run_id", "iteration", "wait_ms")

@@ -198,7 +198,8 @@ class RolloutConfig:
     fewer than this fraction completed, the run stops with the env's error."""
     task_lease_s: float = 120.0
     """A task not finished this long after its assignment, or after its engine last reported
-    progress on it (a turn of one of its episodes ended), is handed to another engine, seconds."""
+    progress on it (a turn of one of its episodes ended, or a decoding step of the hf and tiny
+    engines), is handed to another engine, seconds."""
     backup_tasks: int = 0
     """Dynamic policy: backup copies of the last straggling tasks that idle engines may run."""
     max_task_failures: int = 2
@@ -381,8 +382,9 @@ class CheckpointConfig:
     every_iterations: int = 10
     """Save after every this many iterations (and always after the last); 0 saves only at the end.
     The state is gathered on the spot and its files are written in the background while training
-    goes on; a write not done 600 s after it started (more for a state past 4 GB: 20 MB/s) stops
-    the run."""
+    goes on; the next checkpoint waits for them before it gathers (one copy of the state per host),
+    and a write not done 600 s after it started (more for a state past 4 GB: 20 MB/s) stops the
+    run."""
     dir: str = ""
     """Checkpoint directory; empty means <run_dir>/checkpoints."""
     keep_last: int = 2

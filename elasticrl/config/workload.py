@@ -10,6 +10,7 @@ from typing import Any
 from elasticrl.config.base import _check
 
 TASK_KINDS = ("toy", "dataset", "generated")
+OVERLONG_PROMPTS = ("drop", "error")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -45,6 +46,10 @@ class TaskConfig:
     """Rows (tasks, GRPO groups) per iteration across the whole world."""
     group_size: int = 8
     """Samples (episodes) per row: one GRPO group; advantages are normalized within a group."""
+    overlong_prompts: str = "drop"
+    """kind = dataset, single-turn: a row whose prompt renders to the whole context or more (no room
+    to generate; every episode of it would fail) is found at start-up and left out with a warning
+    (drop), or stops the run, naming the row (error)."""
     eval_prompts: int = 32
     """Held-out rows rolled out every run.eval_interval iterations (split "eval"); all of them when
     the held-out set (task.eval_path or task.eval_fraction) has fewer."""
@@ -70,6 +75,8 @@ class TaskConfig:
             not (self.eval_path and self.eval_fraction),
             "task.eval_fraction: set either task.eval_path (a held-out file) or task.eval_fraction, not both",
         )
+        _check(self.overlong_prompts in OVERLONG_PROMPTS,
+               f"task.overlong_prompts: {self.overlong_prompts!r} must be one of {', '.join(OVERLONG_PROMPTS)}")
         _check(1 <= self.num_digits <= 16, f"task.num_digits: {self.num_digits} must be 1..16")
         _check(self.prompts_per_iteration >= 1, f"task.prompts_per_iteration: {self.prompts_per_iteration} must be at least 1")
         _check(

@@ -110,11 +110,25 @@ class DatasetRows:
                  shuffle: bool = True):
         from elasticrl.data import RowStream
 
+        self.train, self.seed, self.shuffle = train, seed, shuffle
         self.stream = RowStream(train, seed, shuffle=shuffle)
         self.held_out = held_out
         self.per_iteration = per_iteration
         self.base_iteration = 0
         self.base_position = 0
+        self.checked = False
+        """Whether the prompts were checked against the context (``rl.overlong``), once per process."""
+
+    def drop(self, train: set[int], held_out: set[int]) -> None:
+        """Leave out the rows of these indices (of ``train`` and of ``held_out``): the epochs are
+        shuffled over the rows that stay. Before the first iteration only."""
+        from elasticrl.data import RowStream
+
+        if train:
+            self.train = [row for i, row in enumerate(self.train) if i not in train]
+            self.stream = RowStream(self.train, self.seed, shuffle=self.shuffle)
+        if held_out:
+            self.held_out = [row for i, row in enumerate(self.held_out) if i not in held_out]
 
     def _start(self, iteration: int) -> int:
         if iteration <= self.base_iteration:

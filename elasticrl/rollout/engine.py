@@ -18,9 +18,11 @@ Greedy requests (temperature 0) report ``log_softmax(logits)`` in both modes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from elasticrl.errors import ElasticRLError
@@ -241,6 +243,31 @@ class RolloutEngine(Protocol):
 
 
 EngineFactory = Callable[..., RolloutEngine]
+
+
+_progress = threading.local()
+
+
+@contextlib.contextmanager
+def reporting_progress(callback: Callable[[], None] | None) -> Iterator[None]:
+    """While the block runs, ``report_progress`` on this thread calls ``callback``: the episode
+    runner wraps each ``generate`` so that the tasks being generated keep their leases while one
+    long call advances (a chain of thought longer than ``rollout.task_lease_s``)."""
+    before = getattr(_progress, "callback", None)
+    _progress.callback = callback
+    try:
+        yield
+    finally:
+        _progress.callback = before
+
+
+def report_progress() -> None:
+    """For engines: call as ``generate`` advances (each decoding step, say), on the thread that
+    called it. Cheap; the callback throttles itself. An engine that never calls it is fine: its
+    tasks are renewed once per finished turn instead (the episode runner does that)."""
+    callback = getattr(_progress, "callback", None)
+    if callback is not None:
+        callback()
 
 
 def _import_factory(module: str, cls: str) -> EngineFactory:

@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,11 +40,14 @@ from typing import Any
 
 from elasticrl.env.base import EnvError, call_reset, call_step, cut_at_stop, env_label, stop_strings
 from elasticrl.env.wrappers import TurnLimit
-from elasticrl.rollout.engine import GroupRequest, RolloutEngine, Sample, SamplingSpec
+from elasticrl.rollout.engine import GroupRequest, RolloutEngine, Sample, SamplingSpec, reporting_progress
 from elasticrl.rollout.env_pool import EnvPool
 from elasticrl.rollout.render import Renderer
 
 log = logging.getLogger(__name__)
+
+# How often a task's progress is reported while one generate call of its episodes advances.
+PROGRESS_EVERY_S = 1.0
 
 FinalReward = Callable[[str, str, Mapping[str, Any]], float]
 """final(prompt text, transcript text, row) -> reward added to an episode's return."""
@@ -85,8 +89,10 @@ class GroupTask:
     cancelled: threading.Event | None = None
     """Set when the result is no longer wanted: the group stops at its episodes' next turn."""
     progress: Callable[[], None] | None = None
-    """Called (on the runner's thread) each time one of its episodes' turns ends: the scheduler
-    renews the task's lease, so a long episode that keeps advancing is not run twice."""
+    """Called each time one of its episodes' turns ends (on the runner's thread), and while a
+    ``generate`` of its episodes advances (on the engine's thread, at most every
+    ``PROGRESS_EVERY_S``, where the engine calls ``engine.report_progress``): the scheduler renews
+    the task's lease, so a long episode, or one long turn, that keeps advancing is not run twice."""
 
 
 @dataclasses.dataclass
@@ -135,6 +141,29 @@ class _Cancelled(Exception):
     pass
 
 
+def _every(interval_s: float, callbacks: list[Callable[[], None]]) -> Callable[[], None]:
+    """A callable that calls each of ``callbacks`` at most every ``interval_s`` (the first call at
+    once): an engine reports every decoding step, a lease needs a word every few seconds."""
+    last = -math.inf
+
+    def call() -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= interval_s:
+            last = now
+            for callback in callbacks:
+                callback()
+
+    return call
+
+
+def context_limit(max_context_tokens: int, engine: Any) -> int:
+    """Tokens an episode may hold: the smaller of ``env.max_context_tokens`` and the engine's
+    context (``max_context``), where set; 0 when neither is."""
+    limits = [x for x in (max_context_tokens, getattr(engine, "max_context", None) or 0) if x]
+    return min(limits) if limits else 0
+
+
 def episode_seed(seed: int, index: int) -> int:
     """Episode ``index``'s env and sampling seed within its group."""
     return (seed * 1_000_003 + index * 7_919 + 1) % (2**31)
@@ -149,6 +178,8 @@ class _Parked:
     context: list[int]
     spec: SamplingSpec
     future: asyncio.Future
+    progress: Callable[[], None] | None = None
+    """Its task's ``GroupTask.progress``."""
 
 
 class EpisodeRunner:
@@ -177,9 +208,7 @@ class EpisodeRunner:
         self.lock = engine_lock or threading.RLock()
         self.decode = decode
         self.final_reward = final_reward
-        engine_limit = getattr(engine, "max_context", None) or 0
-        limits = [x for x in (settings.max_context, engine_limit) if x]
-        self.max_context = min(limits) if limits else 1 << 62
+        self.max_context = context_limit(settings.max_context, engine) or 1 << 62
         self.generate_calls = 0
         self.generated_rows = 0
         self._engine_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
@@ -251,11 +280,12 @@ class EpisodeRunner:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def _generate(self, context: list[int], spec: SamplingSpec) -> tuple[Sample, float, int]:
+    async def _generate(self, context: list[int], spec: SamplingSpec,
+                        progress: Callable[[], None] | None = None) -> tuple[Sample, float, int]:
         """The engine's sample for ``context``, the seconds of the batch it was drawn in and the
-        policy version it was drawn with."""
+        policy version it was drawn with. ``progress`` is called while the engine advances."""
         future = self._loop.create_future()
-        self._parked.append(_Parked(context, spec, future))
+        self._parked.append(_Parked(context, spec, future, progress))
         self._wake.set()
         return await future
 
@@ -292,8 +322,10 @@ class EpisodeRunner:
             for i, group in enumerate(merged.values())
         ]
 
+        reporters = list({id(p.progress): p.progress for p in batch if p.progress is not None}.values())
+
         def generate() -> list:
-            with self.lock:
+            with self.lock, reporting_progress(_every(PROGRESS_EVERY_S, reporters) if reporters else None):
                 return self.engine.generate(requests)
 
         start = time.perf_counter()
@@ -379,7 +411,7 @@ class EpisodeRunner:
                     break
                 spec = dataclasses.replace(task.sampling, n=1, max_new_tokens=min(task.sampling.max_new_tokens, room),
                                            seed=_turn_seed(seed, turns))
-                sample, seconds, drawn_with = await self._generate(tokens, spec)
+                sample, seconds, drawn_with = await self._generate(tokens, spec, task.progress)
                 gen_s += seconds
                 version = drawn_with if version < 0 else min(version, drawn_with)
                 action_ids, action_logprobs, last = list(sample.completion_ids), list(sample.logprobs), sample.finish_reason

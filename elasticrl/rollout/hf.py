@@ -28,6 +28,7 @@ from elasticrl.rollout.engine import (
     GroupRequest,
     Sample,
     WeightUpdateError,
+    report_progress,
 )
 from elasticrl.rollout.hf_dir import check_model_dir, eos_token_ids, has_tokenizer
 from elasticrl.rollout.offload import HostOffload
@@ -352,6 +353,7 @@ class HFEngine:
                     done[row] = True
             if all(done):
                 break
+            report_progress()
             # Finished rows keep decoding (their tokens are ignored) so the batch stays rectangular,
             # at their last position: advanced, they passed the context (learned positions raised
             # IndexError; dynamic RoPE rescaled every row of the batch by the largest position).

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from elasticrl.policy.vocab import CharVocab
-from elasticrl.rollout.engine import EngineStateError, Group, GroupRequest, Sample, WeightUpdateError
+from elasticrl.rollout.engine import EngineStateError, Group, GroupRequest, Sample, WeightUpdateError, report_progress
 from elasticrl.rollout.hf import filter_top_k_top_p
 
 logger = logging.getLogger(__name__)
@@ -318,6 +318,7 @@ class TinyEngine:
             done |= hit_stop | (count >= limits)
             if bool(done.all()):
                 break
+            report_progress()
 
         ids = tokens[:, width:].tolist()
         lps = torch.stack(step_lps, dim=1).tolist()  # [B, steps]

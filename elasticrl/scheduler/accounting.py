@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from elasticrl.scheduler.state import Counters, GroupRecord, Iteration, NodeStats, TaskStatus
+from elasticrl.scheduler.state import Counters, GroupRecord, Iteration, NodeStats, Split, TaskStatus
 
 
 def staged_counters(
@@ -57,6 +57,8 @@ def manifest(it: Iteration, slots: dict[str, int], now: float, elapsed_s: float,
         "refused_sealed": c.refused_sealed, "backups_issued": c.backups_issued,
         "tasks_failed": it.count(TaskStatus.FAILED), "env_errors": c.env_errors, "errors": list(c.errors),
         "groups_lost": c.groups_lost,
+        "eval_total": sum(it.count(status, Split.EVAL) for status in TaskStatus),
+        "eval_done": it.count(TaskStatus.DONE, Split.EVAL), "eval_failed": it.count(TaskStatus.FAILED, Split.EVAL),
         "nodes": nodes, "evicted": list(it.evicted), "elapsed_s": elapsed_s,
         "tokens": sum(n["tokens"] for n in nodes),
         "sealed_ago_s": now - it.sealed_at if it.sealed else 0.0,

@@ -174,6 +174,7 @@ _MANIFEST_FIELDS = (
     "run_id", "iteration", "sealed", "seal_reason", "tasks_total", "tasks_done", "tasks_queued",
     "tasks_running", "requeued", "refused_duplicate", "refused_fenced", "refused_sealed",
     "backups_issued", "elapsed_s", "tokens", "sealed_ago_s", "tasks_failed", "env_errors", "groups_lost",
+    "eval_total", "eval_done", "eval_failed",
 )
 _NODE_FIELDS = ("node", "assigned", "done", "running", "refused", "tokens", "tasks_per_s", "slots", "evicted")
 

@@ -231,6 +231,9 @@ class Task:
         if self._tally is not None:
             self._tally[self._status] -= 1
             self._tally[status] += 1
+            if self.spec.split is Split.EVAL:
+                self._tally[Split.EVAL, self._status] -= 1
+                self._tally[Split.EVAL, status] += 1
         self._status = status
 
 
@@ -238,7 +241,8 @@ class TaskTable(dict):
     """An iteration's tasks by id, counted by status as their statuses change (``tally``): the
     seal check after every result batch reads two counts instead of passing over every task, which
     at thousands of tasks and a batch per group made an iteration's seal checks quadratic. Tasks
-    are only ever added (``table[id] = task``); nothing removes one."""
+    are only ever added (``table[id] = task``); nothing removes one. Held-out tasks are counted
+    again under ``(Split.EVAL, status)``."""
 
     def __init__(self, tasks: dict[str, Task] | None = None):
         super().__init__()
@@ -250,10 +254,14 @@ class TaskTable(dict):
         old = self.get(task_id)
         if old is not None:
             self.tally[old.status] -= 1
+            if old.spec.split is Split.EVAL:
+                self.tally[Split.EVAL, old.status] -= 1
             old._tally = None
         super().__setitem__(task_id, task)
         task._tally = self.tally
         self.tally[task.status] += 1
+        if task.spec.split is Split.EVAL:
+            self.tally[Split.EVAL, task.status] += 1
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -348,8 +356,10 @@ class Iteration:
     def deadline(self) -> float | None:
         return self.submitted_at + self.config.deadline_s if self.config.deadline_s > 0 else None
 
-    def count(self, status: TaskStatus) -> int:
-        return self.tasks.tally[status]
+    def count(self, status: TaskStatus, split: Split | None = None) -> int:
+        """Tasks in ``status``; of ``Split.EVAL`` only, with that ``split``."""
+        return self.tasks.tally[status] if split is None else self.tasks.tally[Split.EVAL, status] if split is Split.EVAL \
+            else self.tasks.tally[status] - self.tasks.tally[Split.EVAL, status]
 
     def node(self, member_id: str) -> NodeStats:
         stats = self.nodes.get(member_id)

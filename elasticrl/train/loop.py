@@ -38,6 +38,7 @@ import torch.distributed as dist
 from elasticrl.config import ConfigError, NodeConfig, to_dict, write_json
 from elasticrl.coordinator.client import Membership, resolve_token
 from elasticrl.errors import CoordinatorTimeoutError, ElasticRLError, NotFoundError
+from elasticrl.rl import overlong
 from elasticrl.rl.rewards import RewardError, reward_function
 from elasticrl.rl.rollout import RolloutBatch
 from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
@@ -51,7 +52,8 @@ from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, bro
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.push import hold_every_engine, host_copy, publish_dtype, push_full_tensors
-from elasticrl.train.model import build_engine, build_policy, build_runner
+from elasticrl.rollout.episodes import context_limit
+from elasticrl.train.model import build_engine, build_policy, build_renderer, build_runner
 from elasticrl.train.inplace import InPlace
 from elasticrl.train.recovery import Recovery
 from elasticrl.train.same_config import check_same_settings
@@ -186,6 +188,10 @@ class NodeTrainer(InPlace):
             cfg, self.parts, device=self.device, lock=self.engine_lock, version=start, shared_module=shared,
             seed=cfg.run.seed * 1000 + world.rank,
         )
+        # Before the first iteration: a prompt that leaves no room to generate would fail at rollout, every time.
+        overlong.leave_out(cfg, self.rows, build_renderer(cfg, self.parts).first,
+                           context_limit(cfg.env.max_context_tokens, self.engine), rank=world.rank,
+                           world_size=world.world_size, gather=all_gather_json)
         self._push(start)
         if cfg.run.rl_phase != "update":  # an update-only run trains on sealed iterations: no engine work
             self._start_engine_worker(token)
@@ -515,9 +521,12 @@ class NodeTrainer(InPlace):
             "env_s_mean": env_s / samples,
             "truncated_fraction": truncated / samples,
             "trained_tokens": tokens,
-            "groups": manifest["tasks_done"],
-            "groups_total": manifest["tasks_total"],
-            "groups_failed": manifest["tasks_failed"],
+            # Training groups; an evaluation's held-out groups apart (0 from a coordinator that does not count them).
+            "groups": manifest["tasks_done"] - manifest["eval_done"],
+            "groups_total": manifest["tasks_total"] - manifest["eval_total"],
+            "groups_failed": manifest["tasks_failed"] - manifest["eval_failed"],
+            "eval_groups": manifest["eval_done"],
+            "eval_groups_failed": manifest["eval_failed"],
             "env_errors": manifest["env_errors"],
             "requeued": manifest["requeued"],
             "refused": manifest["refused_duplicate"] + manifest["refused_fenced"] + manifest["refused_sealed"],

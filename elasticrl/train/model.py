@@ -107,6 +107,23 @@ def build_engine(
     return engine, False
 
 
+def build_renderer(cfg: NodeConfig, parts: PolicyParts):
+    """How observations become tokens for this model: its chat template with
+    ``task.chat_template``, else the text as it is.
+
+    Raises:
+        ConfigError: the chat template is asked for and the tokenizer has none.
+    """
+    from elasticrl.rollout.render import ChatRenderer, PlainRenderer
+
+    if cfg.task.chat_template:
+        try:
+            return ChatRenderer(parts.tokenizer, parts.eos_ids)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return PlainRenderer(parts.encode)
+
+
 def build_runner(cfg: NodeConfig, parts: PolicyParts, engine, *, lock: threading.RLock, reward):
     """The episode runner of this process's engine: the run's env (``[env]``, or one turn on the
     row's prompt), observations rendered for this model (its chat template with
@@ -118,16 +135,9 @@ def build_runner(cfg: NodeConfig, parts: PolicyParts, engine, *, lock: threading
     """
     from elasticrl.rl.workload import episode_env
     from elasticrl.rollout.episodes import EpisodeRunner, EpisodeSettings
-    from elasticrl.rollout.render import ChatRenderer, PlainRenderer
 
     spec, final = episode_env(cfg, reward)
-    if cfg.task.chat_template:
-        try:
-            renderer = ChatRenderer(parts.tokenizer, parts.eos_ids)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    else:
-        renderer = PlainRenderer(parts.encode)
+    renderer = build_renderer(cfg, parts)
     e = cfg.env
     settings = EpisodeSettings(
         max_turns=e.max_turns if e.name else 1, step_timeout_s=e.step_timeout_s,

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # second (a disk slower than that stops the run instead of hanging it at the end).
 CHECKPOINT_WRITE_MIN_S = 600.0
 CHECKPOINT_WRITE_MIN_BYTES_S = 20e6
+# How often the ranks check together whether the checkpoint before is written, before the next.
+CHECKPOINT_POLL_S = 1.0
+_WRITE_DONE, _WRITING, _WRITE_FAILED = 0, 1, 2
 
 
 @dataclasses.dataclass
@@ -257,14 +260,12 @@ class Recovery:
         """*Collective under sharded strategies* (the full state is gathered): rank 0, or with
         ``checkpoint.every_node`` every node's local rank 0, writes checkpoint ``iteration``."""
         c, world = self.cfg.checkpoint, self.world
+        self._await_previous_write(iteration)  # one full copy of the state per host at a time
         model_state = strategy.full_model_state_dict(all_ranks=c.every_node)
         optimizer_state = strategy.full_optimizer_state_dict(all_ranks=c.every_node)
         if not (world.rank == 0 or (c.every_node and world.local_rank == 0)):
             return
-        # The one before, its failure raised here. (Gathered first: the other ranks are in the
-        # gather meanwhile, and a collective has a time limit; so while a write lags, this host
-        # holds two full copies of the state for a moment.)
-        self.wait_checkpoint()
+        self.wait_checkpoint()  # written by now: its failure, if any, is raised here
         ref = None if reference is None else {k: v.detach().to("cpu", copy=True) for k, v in reference.state_dict().items()}
         nbytes = sum(t.numel() * t.element_size() for t in (*model_state.values(), *(ref or {}).values()))
         # The gathered copies are this call's own (the next step changes none of them), so the
@@ -279,6 +280,40 @@ class Recovery:
         limit = max(CHECKPOINT_WRITE_MIN_S, nbytes * 3 / CHECKPOINT_WRITE_MIN_BYTES_S)  # + Adam's 2x
         self._checkpoint_deadline = time.monotonic() + limit
         self._checkpointing = BackgroundCall(write, f"writing checkpoint {ckpt.checkpoint_dir(self.ckpt_dir, iteration)}")
+
+    def _await_previous_write(self, iteration: int) -> None:
+        """*Collective.* Before the next checkpoint's state is gathered, every rank waits until no
+        writer rank is still writing the one before, so a host never holds two full copies of the
+        state (a writer would gather the new one while its last write lags). The ranks poll
+        together, one small all-reduce each ``CHECKPOINT_POLL_S``, so none sits in a collective
+        past its time limit meanwhile. A writer whose write failed or passed its deadline says so
+        in the same all-reduce: it raises that failure, and every other rank stops too instead of
+        waiting in the gather for it."""
+        waited, noted = time.monotonic(), False
+        while True:
+            pending = self._checkpointing
+            if pending is None or not pending.running:
+                state = _WRITE_FAILED if pending is not None and pending.failure is not None else _WRITE_DONE
+            else:
+                state = _WRITE_FAILED if time.monotonic() >= self._checkpoint_deadline else _WRITING
+            if self.world.world_size > 1:
+                state = all_reduce_int(state, dist.ReduceOp.MAX)
+            if state == _WRITE_DONE:
+                if noted:
+                    log.info("checkpoint %d: the one before is written (waited %.1fs)", iteration, time.monotonic() - waited)
+                return
+            if state == _WRITE_FAILED:
+                self.wait_checkpoint()  # a writer raises its own failure, or its deadline's
+                raise ElasticRLError(f"checkpoint {iteration}: the checkpoint before it failed on a writer rank "
+                                     "(its log says why); stopping with it")
+            if not noted:
+                noted = True
+                log.info("checkpoint %d: waiting for the one before to be written (%s)", iteration,
+                         "here" if pending is not None and pending.running else "on a writer rank")
+            if pending is not None and pending.running:
+                pending.settle(CHECKPOINT_POLL_S)
+            else:
+                time.sleep(CHECKPOINT_POLL_S)
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, if any; re-raise its failure.

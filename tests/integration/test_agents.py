@@ -134,6 +134,35 @@ def test_a_dataset_of_200_rows_with_a_reward_that_reads_an_extra_column(tmp_path
     assert len(set(order[180:])) == 12 and not set(order[180:]) & held_out  # epoch 2 has begun
 
 
+def test_prompts_longer_than_the_context_are_left_out_at_start_up_or_stop_the_run(tmp_path):
+    """Rows whose prompt leaves no room to generate (the tiny model holds 64 tokens) are found by
+    the two ranks before the first iteration: left out with a warning, so no episode fails on them;
+    or, with task.overlong_prompts = error, the run stops naming the first."""
+    rows = [{"prompt": ("7" * 70 if i % 8 == 3 else f"{1000 + i}") + "=", "target": "1", "id": i} for i in range(40)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--task.kind=dataset", f"--task.path={data}", "--algorithm.rewards=exact_match", "--trainer.warmup_steps=0",
+            "--task.prompts_per_iteration=16", "--rollout.max_new_tokens=4"]
+    out = tmp_path / "run"
+    result = run(out, "--nodes", "2", "--iterations", "3", "--", *args)
+    assert result.returncode == 0, result.stdout
+    logs = "".join(f.read_text() for f in sorted((out / "logs").glob("node-*.log")))
+    warned = [line for line in logs.splitlines() if "task.overlong_prompts = drop" in line]
+    assert len(warned) == 1, logs  # rank 0's
+    assert "leaving out 5 of 40 training row(s) whose prompt renders to 64 tokens or more: the context holds 64" in warned[0]
+    assert "e.g. task.path row 3 (0-based); task.path row 11 (0-based); task.path row 19" in warned[0]
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3] and all(r["env_errors"] == r["groups_failed"] == 0 for r in records)
+    trained = rows_of_train_tasks(out / "coordinator" / "coordinator.sqlite")
+    order = [i for it in sorted(trained) for i in trained[it]]
+    assert len(order) == 48 and sorted(order[:35]) == [i for i in range(40) if i % 8 != 3]  # an epoch of the 35 kept
+
+    stopped = run(tmp_path / "stopped", "--nodes", "1", "--iterations", "1", "--", *args, "--task.overlong_prompts=error")
+    assert stopped.returncode != 0
+    assert "task.overlong_prompts = error: task.path row 3 (0-based): its prompt renders to 72 tokens" in stopped.stdout, stopped.stdout
+    assert not (tmp_path / "stopped" / "metrics.jsonl").exists()
+
+
 def rows_of_train_tasks(db_path) -> dict[int, list[int]]:
     """Iteration -> the dataset ``id`` of each training task, from the coordinator's SQLite state."""
     import sqlite3

@@ -238,3 +238,12 @@ def test_registry_builds_it_without_a_tokenizer(model_dir, tmp_path):
         eng.close()
     with pytest.raises(FileNotFoundError, match="config.json"):
         make_engine("hf", model_dir=tmp_path / "missing")
+
+
+def test_each_decoding_step_reports_progress(engine):
+    from elasticrl.rollout.engine import reporting_progress
+
+    steps = []
+    with reporting_progress(lambda: steps.append(1)):
+        engine.generate(requests(n=2, max_new_tokens=6, ignore_eos=True))
+    assert len(steps) == 5  # each step but the last

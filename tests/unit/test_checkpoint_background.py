@@ -25,10 +25,10 @@ class Strategy:
         return {"state": {}, "param_groups": []}
 
 
-def made(rank: int = 0) -> Recovery:
+def made(rank: int = 0, world_size: int = 1) -> Recovery:
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_node=False, keep_last=2))
     r = Recovery.__new__(Recovery)
-    r.cfg, r.world, r.ckpt_dir = cfg, SimpleNamespace(rank=rank, local_rank=rank), "/nonexistent/ckpts"
+    r.cfg, r.world, r.ckpt_dir = cfg, SimpleNamespace(rank=rank, local_rank=rank, world_size=world_size), "/nonexistent/ckpts"
     r.last_checkpoint, r._checkpointing, r._checkpoint_deadline = "", None, 0.0
     return r
 
@@ -97,3 +97,82 @@ def test_ranks_that_do_not_write_gather_and_return(writes):
     r.save_checkpoint(Strategy(), 4, {}, None, {})
     r.wait_checkpoint()
     assert writes.started == [] and r._checkpointing is None
+
+
+class Gathering(Strategy):
+    """Notes when a rank gathers the full state, and whether its writer was still writing then."""
+
+    def __init__(self, log: list, writes):
+        self.log, self.writes = log, writes
+
+    def full_model_state_dict(self, *, all_ranks=False):
+        self.log.append(("gather", len(self.writes.started), self.writes.gate.is_set()))
+        return super().full_model_state_dict(all_ranks=all_ranks)
+
+
+def two_ranks(monkeypatch):
+    """An all-reduce (MAX) between two threads, each a rank; counts the rounds."""
+    barrier, values, rounds = threading.Barrier(2, timeout=10), {}, []
+
+    def all_reduce_int(value, op):
+        rank = int(threading.current_thread().name[-1])
+        values[rank] = value
+        barrier.wait()
+        result = max(values.values())
+        if barrier.wait() == 0:
+            rounds.append(result)
+        return result
+
+    monkeypatch.setattr(recovery, "all_reduce_int", all_reduce_int)
+    monkeypatch.setattr(recovery, "CHECKPOINT_POLL_S", 0.05)
+    return rounds
+
+
+def run_ranks(*fns):
+    errors = {}
+
+    def run(rank, fn):
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank, fn), name=f"rank{rank}") for rank, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+        assert not t.is_alive()
+    return errors
+
+
+def test_no_rank_gathers_the_next_checkpoint_while_the_one_before_is_written(writes, monkeypatch):
+    """A writer whose last write lags would hold two full copies of the state: every rank waits
+    (polling together, no collective held open) until it is written, then gathers."""
+    rounds = two_ranks(monkeypatch)
+    writer, other, log = made(0, 2), made(1, 2), []
+    assert run_ranks(lambda: writer.save_checkpoint(Gathering(log, writes), 4, {}, None, {}),
+                     lambda: other.save_checkpoint(Gathering(log, writes), 4, {}, None, {})) == {}
+    threading.Timer(0.3, writes.gate.set).start()
+    log.clear()
+    assert run_ranks(lambda: writer.save_checkpoint(Gathering(log, writes), 8, {}, None, {}),
+                     lambda: other.save_checkpoint(Gathering(log, writes), 8, {}, None, {})) == {}
+    assert log == [("gather", 1, True)] * 2  # both after checkpoint 4 was written, before 8 started
+    assert rounds[-1] == 0 and len(rounds) >= 3 and set(rounds[1:-1]) == {1}  # polled while it lagged
+    writer.wait_checkpoint()
+    assert writes.started == [4, 8] and writer.last_checkpoint.endswith("iter-000008")
+
+
+def test_a_failed_write_stops_every_rank_before_the_gather(writes, monkeypatch):
+    two_ranks(monkeypatch)
+    writer, other, log = made(0, 2), made(1, 2), []
+    writes.fail = OSError(28, "No space left on device")
+    run_ranks(lambda: writer.save_checkpoint(Gathering(log, writes), 4, {}, None, {}),
+              lambda: other.save_checkpoint(Gathering(log, writes), 4, {}, None, {}))
+    writes.gate.set()
+    log.clear()
+    errors = run_ranks(lambda: writer.save_checkpoint(Gathering(log, writes), 8, {}, None, {}),
+                       lambda: other.save_checkpoint(Gathering(log, writes), 8, {}, None, {}))
+    assert isinstance(errors[0], OSError) and "No space left" in str(errors[0])
+    assert isinstance(errors[1], ElasticRLError) and "checkpoint 8: the checkpoint before it failed on a writer rank" in str(errors[1])
+    assert log == [] and writes.started == [4]  # nobody gathered, nothing started on top of it

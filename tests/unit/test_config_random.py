@@ -340,6 +340,7 @@ SPECS: dict[tuple[str, str], Any] = {
     ("task", "eval_fraction"): Num(F, 0, True, 1, False),
     ("task", "shuffle"): Bool(),
     ("task", "chat_template"): Bool(),
+    ("task", "overlong_prompts"): Choice(workload_mod.OVERLONG_PROMPTS),
     ("task", "prompts_per_iteration"): Num(I, 1),
     ("task", "group_size"): Num(I, 2),
     ("task", "eval_prompts"): Num(I, 1),

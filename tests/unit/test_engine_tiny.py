@@ -313,3 +313,16 @@ def test_char_codec_is_a_text_codec():
     assert codec.encode("12=", bos=False) == VOCAB.encode("12=")
     assert (codec.pad_id, codec.eos_ids, codec.bos_id) == (VOCAB.pad_id, (VOCAB.eos_id,), VOCAB.bos_id)
     assert codec.decode(VOCAB.encode("ab") + [VOCAB.eos_id] + VOCAB.encode("c")) == "ab"
+
+
+def test_each_decoding_step_reports_progress_to_the_caller_that_asked_for_it():
+    """What keeps a task's lease while one long ``generate`` runs (``reporting_progress``)."""
+    from elasticrl.rollout.engine import reporting_progress
+
+    engine, steps = TinyEngine(_model(), VOCAB), []
+    reqs = _requests(n=2, max_new_tokens=8, ignore_eos=True)
+    with reporting_progress(lambda: steps.append(threading.current_thread().name)):
+        engine.generate(reqs)
+    assert len(steps) == 7 and set(steps) == {threading.current_thread().name}  # each step but the last
+    engine.generate(reqs)  # outside the block: reported to nobody
+    assert len(steps) == 7

@@ -14,7 +14,8 @@ import pytest
 
 from elasticrl.env import EnvSpec, load_env
 from elasticrl.policy.codec import CharCodec
-from elasticrl.rollout.engine import Group, Sample, SamplingSpec
+from elasticrl.rollout import episodes
+from elasticrl.rollout.engine import Group, Sample, SamplingSpec, report_progress
 from elasticrl.rollout.episodes import EpisodeRunner, EpisodeSettings, GroupTask
 from elasticrl.rollout.render import ChatRenderer, PlainRenderer
 
@@ -87,7 +88,7 @@ def groups(n: int, episodes: int = 3, *, max_new_tokens: int = 3, row=None) -> l
 
 def test_every_live_episode_is_batched_into_one_generate_per_turn():
     engine = ScriptedEngine(bisect)
-    r = runner(engine)
+    r = runner(engine, linger_s=5.0)  # lock step ends when all are parked; a loaded machine may take over 20 ms
     try:
         out = r.play(groups(10, episodes=3))
     finally:
@@ -134,6 +135,40 @@ def test_each_turn_of_each_episode_reports_progress_on_its_task():
     finally:
         r.close()
     assert counts == {o.task_id: sum(e.turns for e in o.episodes) for o in out} and all(counts.values())
+
+
+class SteppingEngine(ScriptedEngine):
+    """Reports progress ``steps`` times inside each ``generate``, as a decoding loop does."""
+
+    steps = 6
+
+    def generate(self, requests):
+        for _ in range(self.steps):
+            report_progress()
+            time.sleep(0.01)
+        return super().generate(requests)
+
+
+def test_a_long_generate_reports_progress_on_the_tasks_it_draws_for_throttled(monkeypatch):
+    """One turn longer than a task's lease (a long chain of thought) keeps it while the engine
+    advances: the runner passes the engine's reports to the tasks of that call, at most every
+    PROGRESS_EVERY_S."""
+    for every, per_call in ((0.0, SteppingEngine.steps), (3600.0, 1)):
+        monkeypatch.setattr(episodes, "PROGRESS_EVERY_S", every)
+        r = runner(SteppingEngine(bisect))
+        counts = {f"t{k}": 0 for k in range(3)}
+        tasks = [dataclasses.replace(t, progress=lambda task_id=t.task_id: counts.__setitem__(task_id, counts[task_id] + 1))
+                 for t in groups(3, episodes=2)]
+        try:
+            out = r.play(tasks)
+        finally:
+            r.close()
+        for o in out:  # each turn's end, plus per_call for each generate call its episodes were in
+            turns = sum(e.turns for e in o.episodes)
+            in_calls, rest = divmod(counts[o.task_id] - turns, per_call)
+            # Lock step puts an episode's turn in the call of its siblings' (a turn lingering past
+            # linger_s on a slow machine goes in a call of its own).
+            assert rest == 0 and max(e.turns for e in o.episodes) <= in_calls <= turns, (every, o.task_id, counts)
 
 
 def test_the_turn_limit_and_the_context_limit_truncate_and_never_overflow():

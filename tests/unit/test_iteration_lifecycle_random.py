@@ -564,7 +564,10 @@ class Sim:
             want = {"tasks_total": total, "tasks_done": len(done), "tasks_failed": len(sub.failed),
                     "refused_duplicate": sub.refused["duplicate"], "refused_sealed": sub.refused["sealed"],
                     "refused_fenced": sub.refused["fenced"], "env_errors": sub.env_errors, "groups_lost": 0,
-                    "sealed": bool(sub.sealed)}
+                    "sealed": bool(sub.sealed),
+                    "eval_total": sum(sp is Split.EVAL for sp in sub.splits.values()),
+                    "eval_done": sum(sub.splits[t] is Split.EVAL for t in done),
+                    "eval_failed": sum(sub.splits[t] is Split.EVAL for t in sub.failed)}
             assert {k: mf[k] for k in want} == want, self.ctx(f"{where}: manifest {({k: mf[k] for k in want})}, model {want}")
             done_by = collections.Counter(member for _, member in sub.acked.values())
             tokens = collections.Counter()
