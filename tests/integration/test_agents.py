@@ -114,6 +114,8 @@ def test_a_dataset_of_200_rows_with_a_reward_that_reads_an_extra_column(tmp_path
     records = metrics(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4] and all(0 <= r["reward_mean"] <= 1 for r in records)
     assert "eval_reward" in records[1] and records[0]["turns_mean"] == 1
+    # The 20 held-out groups of iterations 2 and 4 are counted apart from the 32 trained on.
+    assert [(r["groups"], r["groups_total"], r["eval_groups"]) for r in records] == [(32, 32, 0), (32, 32, 20)] * 2
     meta = json.loads((out / "checkpoints" / "iter-000004" / "meta.json").read_text())
     # 180 training rows, 32 a step: after 4 iterations the next row is 128 of epoch 0.
     assert meta["data_position"]["next_row"] == 128 and meta["data_position"]["rows_per_epoch"] == 180
