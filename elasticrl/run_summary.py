@@ -126,7 +126,7 @@ def summarize(run_dir: str, nodes: Sequence[Finished], iterations: int, wall_s: 
         print(f"  turns        {mean(head, 'turns_mean', 1.0):.2f} -> {mean(tail, 'turns_mean', 1.0):.2f} per episode")
     errors, failed = (sum(r.get(key, 0) for r in records) for key in ("env_errors", "groups_failed"))
     if errors or failed:
-        print(f"  env errors   {errors} episode(s); {failed} group(s) dropped after rollout.max_task_failures attempts")
+        print(f"  env errors   {errors} episode(s); {failed} training group(s) dropped after rollout.max_task_failures attempts")
     if checkpoint:
         print(f"  checkpoint   {checkpoint}  (model.safetensors, optimizer.safetensors, meta.json)")
     else:

@@ -1,8 +1,8 @@
 """Dataset prompts that leave no room to generate, found before the first iteration.
 
 A single-turn run renders each row's prompt on the engines, at rollout (``env.prompt.PromptEnv``
-through the run's renderer). A prompt of at least the context's tokens (``env.max_context_tokens``,
-or the model's) leaves no room for one token: every episode of its group fails, is retried
+through the run's renderer). A prompt of at least the context's tokens (the smaller of
+``env.max_context_tokens`` and the model's) leaves no room for one token: every episode of its group fails, is retried
 ``rollout.max_task_failures`` times and then dropped, iteration after iteration. So the trainer
 renders every row once at start-up, the same way, each rank a share of them, and either leaves those
 rows out (``task.overlong_prompts = "drop"``, the default, with a warning that says how many and
@@ -68,7 +68,7 @@ def apply(found: list[Overlong], *, mode: str, limit: int, train: int, held_out:
         return
     found = sorted(found, key=lambda o: (o.split != "train", o.index))
     longest = max(found, key=lambda o: o.tokens)
-    context = f"the context holds {limit} tokens (env.max_context_tokens, or the model's)"
+    context = f"the context holds {limit} tokens (the smaller of env.max_context_tokens and the model's)"
     why = f"renders to {limit} tokens or more: {context}, which leaves no room to generate"
     if mode == "error":
         first = found[0]
@@ -91,13 +91,19 @@ def apply(found: list[Overlong], *, mode: str, limit: int, train: int, held_out:
 def leave_out(cfg, rows, first_tokens: Callable[[Any], Sequence[int]], limit: int, *, rank: int, world_size: int,
               gather: Callable[[Any], list]) -> None:
     """*Collective* (``gather``: every rank's value, in rank order). Check every prompt of a
-    single-turn dataset run (``rows``: ``workload.DatasetRows``) against ``limit`` tokens, each
-    rank ``1/world_size`` of them, and apply ``task.overlong_prompts`` on every rank alike. Once
-    per process: a world re-formed in place keeps its rows."""
+    single-turn dataset run (``rows``: ``workload.DatasetRows``) against the smallest ``limit``
+    (tokens; 0: none known) of any rank, each rank ``1/world_size`` of the rows, and apply
+    ``task.overlong_prompts`` on every rank alike. Once per process: a world re-formed in place
+    keeps its rows. Before the rows are resumed: ``DatasetRows.resume`` compares the rows per epoch
+    with the checkpoint's."""
     from elasticrl.rl.workload import row_label
 
     t = cfg.task
-    if t.kind != "dataset" or cfg.env.name or not limit or rows.checked:
+    if t.kind != "dataset" or cfg.env.name or rows.checked:
+        return
+    limits = [x for x in gather(limit) if x]  # every rank the same: the smallest context any of them knows
+    limit = min(limits) if limits else 0
+    if not limit:
         return
     keys = dict(prompt_key="" if t.messages_key else t.prompt_key, messages_key=t.messages_key)
     mine = [o for split, some in (("train", rows.train), ("eval", rows.held_out))

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import random
+import pathlib
 from typing import Any, Protocol
 
 from elasticrl.config import ConfigError, NodeConfig
@@ -150,6 +151,13 @@ class DatasetRows:
     def resume(self, iteration: int, position: dict[str, Any]) -> None:
         if "next_row" in position:
             self.base_iteration, self.base_position = iteration, int(position["next_row"])
+        saved = position.get("rows_per_epoch")
+        if saved is not None and int(saved) != len(self.stream):
+            log.warning(
+                "data: the checkpoint was taken with %d training rows per epoch and this run has %d (another file, or "
+                "other rows left out by task.overlong_prompts: another model, context or template); the position "
+                "goes on, but this epoch's order is another, so rows of it may repeat or be skipped", int(saved),
+                len(self.stream))
         log.info("data: resuming after iteration %d at row position %d (epoch %d of %d rows)", iteration,
                  self._start(iteration + 1), self.stream.epoch_of(self._start(iteration + 1)), len(self.stream))
 
@@ -261,6 +269,16 @@ def check_model(cfg: NodeConfig) -> None:
     if positions and cfg.rollout.max_new_tokens >= positions:
         log.warning("rollout.max_new_tokens = %d, and the model in %s has %d positions: every completion is cut at the "
                     "context (the prompt's tokens included)", cfg.rollout.max_new_tokens, cfg.model.path, positions)
+
+
+def context_tokens(cfg: NodeConfig) -> int:
+    """The tokens an episode may hold, as the engines will: the smaller of ``env.max_context_tokens``
+    and the policy's context (the tiny policy's ``model.max_seq_len``; an HF checkpoint's positions,
+    from its config.json), where set; 0 when neither is. Read from the config, so every rank
+    knows it before any engine is built."""
+    model = cfg.model.max_seq_len if cfg.model.kind == "tiny" else model_positions(pathlib.Path(cfg.model.path))
+    limits = [x for x in (cfg.env.max_context_tokens, model) if x]
+    return min(limits) if limits else 0
 
 
 def max_new_tokens(cfg: NodeConfig, task: Task | None) -> int:

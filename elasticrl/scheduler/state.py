@@ -357,7 +357,7 @@ class Iteration:
         return self.submitted_at + self.config.deadline_s if self.config.deadline_s > 0 else None
 
     def count(self, status: TaskStatus, split: Split | None = None) -> int:
-        """Tasks in ``status``; of ``Split.EVAL`` only, with that ``split``."""
+        """Tasks in ``status``: of every split, or of ``split`` alone (``Split.TRAIN``: all but the held-out ones)."""
         return self.tasks.tally[status] if split is None else self.tasks.tally[Split.EVAL, status] if split is Split.EVAL \
             else self.tasks.tally[status] - self.tasks.tally[Split.EVAL, status]
 

@@ -71,7 +71,8 @@ class Assignment:
     """Wakes the worker's lease renewal (set by the worker)."""
 
     def progress(self) -> None:
-        """The engine advanced on this task (an episode's turn ended); any thread may call it. The
+        """The engine advanced on this task (an episode's turn ended, or a decoding step of a
+        ``generate`` for it, at most once a second); any thread may call it. The
         worker renews the task's lease (``RenewTasks``) within ``lease_s / 8``, so a long episode
         that keeps advancing is not handed to another engine when ``lease_s`` passes."""
         first = self.progressed_at <= self.renewed_at  # since the last renewal: one wake-up each

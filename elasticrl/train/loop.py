@@ -41,7 +41,7 @@ from elasticrl.errors import CoordinatorTimeoutError, ElasticRLError, NotFoundEr
 from elasticrl.rl import overlong
 from elasticrl.rl.rewards import RewardError, reward_function
 from elasticrl.rl.rollout import RolloutBatch
-from elasticrl.rl.workload import max_new_tokens, row_source, toy_task, workload_name
+from elasticrl.rl.workload import context_tokens, max_new_tokens, row_source, toy_task, workload_name
 from elasticrl.scheduler.client import SchedulerClient
 from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
@@ -52,7 +52,6 @@ from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, bro
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
 from elasticrl.train.push import hold_every_engine, host_copy, publish_dtype, push_full_tensors
-from elasticrl.rollout.episodes import context_limit
 from elasticrl.train.model import build_engine, build_policy, build_renderer, build_runner
 from elasticrl.train.inplace import InPlace
 from elasticrl.train.recovery import Recovery
@@ -175,6 +174,9 @@ class NodeTrainer(InPlace):
                 f"checkpoint.resume: false, but {self.recovery.ckpt_dir} already holds checkpoints (the newest of "
                 f"iteration {old}); give this run another checkpoint.dir (or run.run_dir), delete them, or resume"
             )
+        # Before the rows resume: a prompt that leaves no room to generate would fail at rollout, every time.
+        overlong.leave_out(cfg, self.rows, build_renderer(cfg, self.parts).first, context_tokens(cfg), rank=world.rank,
+                           world_size=world.world_size, gather=all_gather_json)
         start = self._resume() if cfg.checkpoint.resume else 0
         if start == 0 and t.warmup_steps and self.task is not None:
             supervised_warmup(self.parts, self.strategy, self.task, steps=t.warmup_steps, batch_size=t.warmup_batch_size,
@@ -188,10 +190,6 @@ class NodeTrainer(InPlace):
             cfg, self.parts, device=self.device, lock=self.engine_lock, version=start, shared_module=shared,
             seed=cfg.run.seed * 1000 + world.rank,
         )
-        # Before the first iteration: a prompt that leaves no room to generate would fail at rollout, every time.
-        overlong.leave_out(cfg, self.rows, build_renderer(cfg, self.parts).first,
-                           context_limit(cfg.env.max_context_tokens, self.engine), rank=world.rank,
-                           world_size=world.world_size, gather=all_gather_json)
         self._push(start)
         if cfg.run.rl_phase != "update":  # an update-only run trains on sealed iterations: no engine work
             self._start_engine_worker(token)

@@ -257,8 +257,9 @@ class Recovery:
 
     def save_checkpoint(self, strategy, iteration: int, meta: dict[str, Any], reference: torch.nn.Module | None,
                         metrics: dict[str, Any]) -> None:
-        """*Collective under sharded strategies* (the full state is gathered): rank 0, or with
-        ``checkpoint.every_node`` every node's local rank 0, writes checkpoint ``iteration``."""
+        """*Collective* (in a world of several ranks: the ranks first wait together for the write
+        before, then the full state is gathered): rank 0, or with ``checkpoint.every_node`` every
+        node's local rank 0, writes checkpoint ``iteration``."""
         c, world = self.cfg.checkpoint, self.world
         self._await_previous_write(iteration)  # one full copy of the state per host at a time
         model_state = strategy.full_model_state_dict(all_ranks=c.every_node)

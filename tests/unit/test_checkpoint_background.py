@@ -5,6 +5,7 @@ end of the run wait for it, and its failure, or a disk slower than the limit, is
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -153,7 +154,13 @@ def test_no_rank_gathers_the_next_checkpoint_while_the_one_before_is_written(wri
     writer, other, log = made(0, 2), made(1, 2), []
     assert run_ranks(lambda: writer.save_checkpoint(Gathering(log, writes), 4, {}, None, {}),
                      lambda: other.save_checkpoint(Gathering(log, writes), 4, {}, None, {})) == {}
-    threading.Timer(0.3, writes.gate.set).start()
+    def open_after_two_polls():  # the first save's round, then two while checkpoint 4 is still written
+        deadline = time.monotonic() + 10
+        while len(rounds) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writes.gate.set()
+
+    threading.Thread(target=open_after_two_polls).start()
     log.clear()
     assert run_ranks(lambda: writer.save_checkpoint(Gathering(log, writes), 8, {}, None, {}),
                      lambda: other.save_checkpoint(Gathering(log, writes), 8, {}, None, {})) == {}

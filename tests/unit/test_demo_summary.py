@@ -49,7 +49,7 @@ def test_env_errors_are_reported_for_single_turn_runs_too(tmp_path, capsys):
     records = [{"iteration": i, "turns_mean": 1.0, "exact_fraction": 0.5, "env_errors": 4, "groups_failed": 1} for i in (1, 2)]
     rc, out, _ = summary(tmp_path, capsys, records)
     assert rc == 0 and "exact match" in out
-    assert "env errors   8 episode(s); 2 group(s) dropped" in out
+    assert "env errors   8 episode(s); 2 training group(s) dropped" in out
     rc, out, _ = summary(tmp_path, capsys, [{**r, "env_errors": 0, "groups_failed": 0} for r in records])
     assert rc == 0 and "env errors" not in out
 
