@@ -123,13 +123,18 @@ def test_a_multi_turn_episode_is_one_sequence_with_only_the_actions_trained():
     assert e.prompt == "guess:" and e.text == "4\nhi:\n7"
 
 
+def counting_progress(tasks: list[GroupTask]) -> tuple[list[GroupTask], dict[str, int]]:
+    """``tasks`` whose progress reports are counted, by task id."""
+    counts = {t.task_id: 0 for t in tasks}
+    return [dataclasses.replace(t, progress=lambda task_id=t.task_id: counts.__setitem__(task_id, counts[task_id] + 1))
+            for t in tasks], counts
+
+
 def test_each_turn_of_each_episode_reports_progress_on_its_task():
     """What renews a task's lease while its episodes advance (``Assignment.progress``)."""
     engine = ScriptedEngine(bisect)
     r = runner(engine)
-    counts = {t.task_id: 0 for t in groups(4)}
-    tasks = [dataclasses.replace(t, progress=lambda task_id=t.task_id: counts.__setitem__(task_id, counts[task_id] + 1))
-             for t in groups(4, episodes=2)]
+    tasks, counts = counting_progress(groups(4, episodes=2))
     try:
         out = r.play(tasks)
     finally:
@@ -156,9 +161,7 @@ def test_a_long_generate_reports_progress_on_the_tasks_it_draws_for_throttled(mo
     for every, per_call in ((0.0, SteppingEngine.steps), (3600.0, 1)):
         monkeypatch.setattr(episodes, "PROGRESS_EVERY_S", every)
         r = runner(SteppingEngine(bisect))
-        counts = {f"t{k}": 0 for k in range(3)}
-        tasks = [dataclasses.replace(t, progress=lambda task_id=t.task_id: counts.__setitem__(task_id, counts[task_id] + 1))
-                 for t in groups(3, episodes=2)]
+        tasks, counts = counting_progress(groups(3, episodes=2))
         try:
             out = r.play(tasks)
         finally:
