@@ -123,7 +123,7 @@ class Snapshots:
         snapshot before must be written by then (its write's failure is re-raised here).
 
         ``replicated``: every rank's ``state`` is the same replicated state (the strategy says so,
-        alike on every rank: ddp, ZeRO-3), so the copies are cut from this rank's own and nothing
+        alike on every rank: ddp), so the copies are cut from this rank's own and nothing
         crosses the network. Not decided from ``state``: a ZeRO-1/2 rank whose partition holds no
         slice of a trained parameter has only replicated chunks, and took that path while its peers
         waited for it in the exchange.

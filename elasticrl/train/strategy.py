@@ -102,8 +102,8 @@ class TrainStrategy(Protocol):
 
     config: StrategyConfig
     state_replicated: bool
-    """``sharded_state`` gives every rank the same replicated state (ddp; ZeRO-3, which gathers
-    it): a snapshot's buddy copies are then cut locally. The same on every rank, whatever its share."""
+    """``sharded_state`` gives every rank the same replicated state (ddp): a snapshot's buddy
+    copies are then cut locally. The same on every rank, whatever its share."""
 
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
         """Move ``model`` to this rank's device, apply gradient checkpointing, shard or replicate
@@ -188,9 +188,9 @@ class TrainStrategy(Protocol):
         """This rank's part of the training state, for a snapshot (``train/snapshot.py``): named
         ``shards.Chunk``s, views the caller copies (``replicated`` ones are whole tensors every rank
         holds alike, saved by one of them), and the JSON-able rest (optimizer hyper-parameters,
-        step counts). No communication where the strategy shards natively (fsdp2: DTensor shards;
-        ZeRO-1/2: each parameter's slice of this rank's flat partition; ddp: views of the replicated
-        state); *collective* where it has no sharded form (ZeRO-3 gathers the full state)."""
+        step counts). No communication for the sharded state (fsdp2: DTensor shards; ZeRO: each
+        parameter's slice of this rank's partition; ddp: views of the replicated state); ZeRO-3
+        gathers frozen parameters, which no optimizer partition holds (*collective* there)."""
         ...
 
     def load_sharded_state(

@@ -319,42 +319,64 @@ class DeepSpeedStrategy:
         holds none of it."""
         return getattr(param, "_hp_mapping", None)
 
-    @property
-    def state_replicated(self) -> bool:
-        return self.config.zero_stage == 3  # gathered whole; ZeRO-1/2: each rank its partition's slices
+    state_replicated = False  # each rank its partition's slices, ZeRO-1/2 and 3 alike
+
+    def _z3_slice(self, param: nn.Parameter) -> tuple[int, int, int]:
+        """ZeRO-3: (offset, elements, partition size) of this rank's partition of ``param``
+        flattened. Partitions are padded to equal sizes, so the last ranks' hold fewer elements, or
+        none."""
+        part = param.ds_tensor.numel()
+        zero = param._z3_optimizer
+        rank = zero._get_param_partition_rank(param) if hasattr(zero, "_get_param_partition_rank") else dist.get_rank()
+        start = part * rank
+        return start, max(0, min(part, param.ds_numel - start)), part
+
+    def _local_state(self, live: list) -> Iterator[tuple[int, nn.Parameter, int, torch.Tensor, dict[str, torch.Tensor]]]:
+        """For every trainable parameter this rank holds a slice of: (index, param, offset in the
+        flattened parameter, the fp32 master slice, {optimizer key: its slice}), views of the live
+        state. ZeRO-1/2 through each parameter's fragment map, ZeRO-3 through its local partition."""
+        if self.config.zero_stage != 3:
+            for index, param in enumerate(self._params):
+                frag = self._fragment(param) if param.requires_grad else None
+                if frag is not None:
+                    optim = {key: state.detach() for key, state in (frag.optim_fragment or {}).items()} if live else {}
+                    yield index, param, frag.lp_fragment_address.start, frag.hp_fragment.detach(), optim
+            return
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        keys = [k for k, v in live[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0] if live else []
+        for index, param in enumerate(self._params):
+            if not param.requires_grad:
+                continue
+            start, n, _ = self._z3_slice(param)
+            if n:
+                optim = {key: safe_get_local_optimizer_state(param, key).detach()[:n] for key in keys}
+                yield index, param, start, safe_get_local_fp32_param(param).detach()[:n], optim
 
     def sharded_state(self):
-        """ZeRO-1/2: for every trainable parameter, the slice of it (flattened) that this rank's
-        partition holds, fp32 master weight and optimizer state alike, as a chunk at its offset in
-        the flattened parameter (``zero.param.<index>``, ``zero.optim.<index>.<key>``); a world of
-        another size cuts the same flattened tensors elsewhere and DCP reads across the cuts.
-        Frozen parameters and buffers, the same on every rank, are whole replicated chunks. ZeRO-3
-        (parameters partitioned otherwise) gathers the full state, replicated."""
+        """For every trainable parameter, the slice of it (flattened) that this rank's partition
+        holds, fp32 master weight and optimizer state alike, as a chunk at its offset in the
+        flattened parameter (``zero.param.<index>``, ``zero.optim.<index>.<key>``): ZeRO-1/2's
+        fragments, ZeRO-3's partition (nothing is gathered, so a snapshot costs each rank its own
+        share only). A world of another size or stage cuts the same flattened tensors elsewhere
+        and DCP reads across the cuts. Frozen parameters (gathered, under ZeRO-3) and buffers, the
+        same on every rank, are whole replicated chunks."""
         from elasticrl.train.shards import Chunk
-        from elasticrl.train.strategy_base import replicated_state
 
-        if self.config.zero_stage == 3:
-            return replicated_state(self.full_model_state_dict(all_ranks=True), self.full_optimizer_state_dict(all_ranks=True))
         base = self._base_optimizer()
         live = [base.state[flat] for flat in self._flat_partitions() if base.state.get(flat)]
         step = common_step(live) if live else None
         chunks: dict[str, Chunk] = {}
-        trainable = set()
-        for index, param in enumerate(self._params):
-            if not param.requires_grad:
-                continue
-            trainable.add(id(param))
-            frag = self._fragment(param)
-            if frag is None:
-                continue
-            start, numel = frag.lp_fragment_address.start, param.numel()
-            chunks[f"zero.param.{index}"] = Chunk.flat(frag.hp_fragment.detach(), start, numel)
-            for key, state in (frag.optim_fragment or {}).items():
-                if live:  # no optimizer state before the first step, as with a torch optimizer
-                    chunks[f"zero.optim.{index}.{key}"] = Chunk.flat(state.detach(), start, numel)
+        trainable = {id(p) for p in self._params if p.requires_grad}
+        for index, param, start, master, optim in self._local_state(live):
+            numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+            chunks[f"zero.param.{index}"] = Chunk.flat(master, start, numel)
+            for key, state in optim.items():  # no optimizer state before the first step, as with a torch optimizer
+                chunks[f"zero.optim.{index}.{key}"] = Chunk.flat(state, start, numel)
         for name, t in self._named_tensors().items():
-            if id(t) not in trainable:
-                chunks[f"model.{name}"] = Chunk.whole(t.detach(), replicated=True)
+            if id(t) not in trainable:  # (collective under ZeRO-3: every rank, in state_dict order)
+                chunks[f"model.{name}"] = Chunk.whole(self._gather_frozen(t).detach() if isinstance(t, nn.Parameter) else t.detach(),
+                                                      replicated=True)
         rest = {"step": None if step is None else float(step), "param_groups": self._hyper_params()}
         return chunks, {"zero": rest}
 
@@ -362,12 +384,13 @@ class DeepSpeedStrategy:
         from elasticrl.train.shards import Chunk, ShardError
         from elasticrl.train.strategy_base import load_replicated_state
 
-        if "zero" not in rest:  # ZeRO-3 (or another strategy's replicated state): through the full state
+        if "zero" not in rest:  # another strategy's replicated state (or an older ZeRO-3 snapshot): through the full state
             load_replicated_state(self, read, saved, rest)
             return
-        if self.config.zero_stage == 3:
-            raise ShardError("the snapshot holds ZeRO-1/2 partitions; this run is ZeRO-3 (resume from a checkpoint instead)")
         zero = rest["zero"]
+        if self.config.zero_stage == 3:
+            self._load_z3_slices(read, saved, zero)
+            return
         keys = sorted({name.split(".")[3] for name in saved if name.startswith("zero.optim.")})
         step = None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32)
         if keys:
@@ -393,6 +416,67 @@ class DeepSpeedStrategy:
             key = f"zero.param.{index_of[id(t)]}" if id(t) in index_of else f"model.{name}"
             full[name] = dest[key].tensor.reshape(t.shape) if key.startswith("zero.") else dest[key].tensor
         self.load_full_model_state_dict(full)  # the working weights, and each rank's fp32 slice (no communication)
+        base = self._base_optimizer()
+        for base_group, saved_group in zip(base.param_groups, zero["param_groups"]):
+            for key, value in saved_group.items():
+                if key in base_group:
+                    base_group[key] = tuple(value) if isinstance(value, list) else value
+
+    def _load_z3_slices(self, read, saved, zero: dict[str, Any]) -> None:
+        """ZeRO-3's ``load_sharded_state``: each rank reads only its partition of every trainable
+        parameter (master weight and optimizer state, from whichever saved slices overlap it) and
+        sets it locally; its working copy (``ds_tensor``, possibly bf16) follows. Frozen parameters
+        and buffers are read whole."""
+        from deepspeed.runtime.zero import GatheredParameters
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        from elasticrl.train.shards import Chunk, ShardError
+
+        keys = sorted({name.split(".")[3] for name in saved if name.startswith("zero.optim.")})
+        if keys:
+            self._ensure_optimizer_state(keys, None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32))
+        trainable = {id(p) for p in self._params if p.requires_grad}
+        dest: dict[str, Chunk] = {}
+        local: dict[int, dict[str | None, torch.Tensor]] = {}
+        for index, param in enumerate(self._params):
+            if not param.requires_grad:
+                continue
+            if f"zero.param.{index}" not in saved:
+                raise ShardError(f"the snapshot has no zero.param.{index} (parameter {index} of {len(self._params)})")
+            start, n, part = self._z3_slice(param)
+            local[index] = {key: torch.zeros(part, dtype=torch.float32, device=self._device) for key in (None, *keys)}
+            if n:
+                for key, buf in local[index].items():
+                    name = f"zero.param.{index}" if key is None else f"zero.optim.{index}.{key}"
+                    dest[name] = Chunk.flat(buf[:n], start, param.ds_numel)
+        named = self._named_tensors()
+        for name, t in named.items():
+            if id(t) not in trainable:
+                if f"model.{name}" not in saved:
+                    raise ShardError(f"the snapshot has no model.{name}")
+                dest.setdefault(f"model.{name}", Chunk.whole(torch.empty(saved[f"model.{name}"][0], dtype=saved[f"model.{name}"][1])))
+        read(dest)
+        with torch.no_grad():
+            for index, param in enumerate(self._params):
+                if index not in local:
+                    continue
+                _, n, _ = self._z3_slice(param)
+                safe_set_local_fp32_param(param, local[index][None])
+                for key in keys:
+                    safe_set_local_optimizer_state(param, local[index][key], key)
+                param.ds_tensor.data[:n].copy_(local[index][None][:n])  # the working partition (a view of ZeRO's flat group)
+            for name, t in named.items():
+                if id(t) in trainable:
+                    continue
+                value = dest[f"model.{name}"].tensor
+                if isinstance(t, nn.Parameter) and hasattr(t, "ds_id"):  # frozen, partitioned: rank 0's copy scattered
+                    with GatheredParameters([t], modifier_rank=0):
+                        t.data.copy_(value.to(t.device))
+                else:
+                    t.data.copy_(value.to(t.device))
+        # Parameters kept whole on every rank (under stage3_param_persistence_threshold) are gathered
+        # again from the partitions just written, as after a step or a DeepSpeed checkpoint load.
+        self.engine.optimizer.checkpoint_event_epilogue()
         base = self._base_optimizer()
         for base_group, saved_group in zip(base.param_groups, zero["param_groups"]):
             for key, value in saved_group.items():

@@ -23,7 +23,7 @@ import sys
 
 from strategy_worker import VOCAB, train_steps  # the same data and loss as the strategy tests
 
-VARIANTS = {"ddp": ("ddp", {}), "fsdp2": ("fsdp2", {}), "zero2": ("deepspeed", {"zero_stage": 2})}
+VARIANTS = {"ddp": ("ddp", {}), "fsdp2": ("fsdp2", {}), "zero2": ("deepspeed", {"zero_stage": 2}), "zero3": ("deepspeed", {"zero_stage": 3})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,14 @@ TIED_WORKAROUND = False
 ZERO3_LOAD_WORKAROUND = False
 
 
+def zero_peer(name: str, names: list[str]) -> str | None:
+    """The ZeRO strategy of another stage whose snapshot ``name`` also resumes from (zero3 <->
+    zero2, else zero1), or None."""
+    if name == "zero3":
+        return next((n for n in ("zero2", "zero1") if n in names), None)
+    return "zero3" if name in ("zero1", "zero2") and "zero3" in names else None
+
+
 def zero3_load_skipped(case: dict) -> bool:
     """Whether phase 2 skips loading into ZeRO-3 (ZERO3_LOAD_WORKAROUND) for this case."""
     if not ZERO3_LOAD_WORKAROUND or "zero3" not in case["strategies"]:
@@ -337,6 +345,15 @@ class Rank:
         from elasticrl.train.shards import own_part, write_shard
 
         chunks, rest = strategy.sharded_state()
+        if name.startswith("zero"):  # each rank its own slices: nothing gathered, no full optimizer state
+            params = {k: c for k, c in chunks.items() if k.startswith("zero.param.")}
+            assert all(k.startswith("zero.") or (k.startswith("model.") and c.replicated) for k, c in chunks.items()), sorted(chunks)
+            held = sum(c.tensor.numel() for c in params.values())
+            total = sum(getattr(p, "ds_numel", p.numel()) for p in strategy._params if p.requires_grad)
+            if name == "zero3":  # every parameter partitioned alike (padded to equal parts)
+                assert all(c.tensor.numel() <= -(-c.size[0] // self.world) for c in params.values()), (name, params)
+            # The flat groups cut in equal parts (padded to an alignment of a few elements).
+            assert held * self.world <= total + 16 * self.world ** 2, f"{name}: {held} of {total} elements in a world of {self.world}"
         where = self.dir / "snap" / name
         where.mkdir(parents=True, exist_ok=True)
         # As Snapshots.take stages it (one copy, packed), then as its writer writes it.
@@ -426,6 +443,14 @@ class Rank:
                 strategy = self.fresh(name, c["seed"] + 3)
                 self.load_snapshot(strategy, "ddp")
                 self.record(f"ddpsnap-{name}", *self.train(strategy, self.phase2_steps()), strategy)
+                strategy.close()
+            other = zero_peer(name, names)
+            if other is not None:
+                # ZeRO-1/2 fragments and ZeRO-3 partitions are slices of the same flattened tensors.
+                self.log(f"p2 snapshot of {other} into {name}")
+                strategy = self.fresh(name, c["seed"] + 4)
+                self.load_snapshot(strategy, other)
+                self.record(f"zsnap-{name}", *self.train(strategy, self.phase2_steps()), strategy)
                 strategy.close()
         self.leave()
 

@@ -1,5 +1,5 @@
 """Sharded snapshots (torch.distributed.checkpoint) saved by a world of 3 and loaded by a world of
-2, on CPU with gloo, for DDP, FSDP2 and DeepSpeed ZeRO-2, with the third node's own directory
+2, on CPU with gloo, for DDP, FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3, with the third node's own directory
 deleted first: its shard must come from its buddy's copy.
 
 Two ``torchrun --standalone`` launches of ``snapshot_worker.py`` per strategy (each under a hard
@@ -52,9 +52,9 @@ def launch(tmp: pathlib.Path, phase: str, strategy: str, nodes: list[str], log_n
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 30)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "zero3"])
 def test_a_world_of_three_saves_shards_a_world_of_two_loads_them_with_a_lost_nodes_from_its_buddy(tmp_path, strategy):
-    if strategy == "zero2" and importlib.util.find_spec("deepspeed") is None:
+    if strategy.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed (the [deepspeed] extra)")
     launch(tmp_path, "save", strategy, ["a", "b", "c"], "save.log")
     snap = tmp_path / "snap"

@@ -63,6 +63,7 @@ from tests.integration.strategy_random_worker import (
     make_case,
     reference,
     zero3_load_skipped,
+    zero_peer,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -297,9 +298,11 @@ def test_snapshots_reshard_and_training_continues_identically(run):
 @seeded
 def test_checkpoints_and_snapshots_move_between_strategies_and_world_sizes(run):
     """A full checkpoint of one strategy in a world of w1 resumes another strategy in a world of
-    w2; a ZeRO strategy also resumes from the DDP snapshot (another strategy's replicated state)."""
+    w2; a ZeRO strategy also resumes from the DDP snapshot (another strategy's replicated state),
+    and ZeRO-3 from ZeRO-1/2's snapshot and back (slices of the same flattened tensors)."""
     c = run["case"]
     keys = [f"cross-{name}" for name in resumed(c)] + [f"ddpsnap-{n}" for n in resumed(c) if n.startswith("zero")]
+    keys += [f"zsnap-{n}" for n in resumed(c) if zero_peer(n, c["strategies"]) is not None]
     assert set(keys) <= set(run["results"]), f"missing runs {sorted(set(keys) - set(run['results']))}"
     for key in keys:
         assert_trajectory(run, key, slice(c["k1"], None))
