@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 # second (a disk slower than that stops the run instead of hanging it at the end).
 CHECKPOINT_WRITE_MIN_S = 600.0
 CHECKPOINT_WRITE_MIN_BYTES_S = 20e6
-# How often the ranks check together whether the checkpoint before is written, before the next.
+# How often the ranks check together whether a checkpoint's write (or a resume's read) is done.
 CHECKPOINT_POLL_S = 1.0
-_WRITE_DONE, _WRITING, _WRITE_FAILED = 0, 1, 2
+_DONE, _BUSY, _FAILED = 0, 1, 2
 
 
 @dataclasses.dataclass
@@ -208,12 +208,47 @@ class Recovery:
             raise ShardError(f"reading the shards in {directory} failed on some rank"
                              + (f" (here: {failure})" if failure else "")) from failure
 
+    def _read_checkpoint(self, path: str, src: int) -> ckpt.Checkpoint | None:
+        """*Collective.* Rank ``src`` reads the checkpoint in ``path`` (None elsewhere) in a thread,
+        while every rank polls together, one small all-reduce each ``CHECKPOINT_POLL_S``: a big
+        checkpoint on a slow disk keeps no rank in a collective past its time limit (the process
+        group's, ``coordinator.barrier_timeout_s`` + 60 s). A read that fails, or is not done by
+        the deadline a write has, stops every rank."""
+        box: dict[str, ckpt.Checkpoint] = {}
+        job, deadline, limit = None, 0.0, 0.0
+        if self.world.rank == src:
+            size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file())
+            limit = max(CHECKPOINT_WRITE_MIN_S, size / CHECKPOINT_WRITE_MIN_BYTES_S)
+            deadline = time.monotonic() + limit
+            job = BackgroundCall(lambda: box.setdefault("loaded", ckpt.load_checkpoint(path)), f"reading checkpoint {path}")
+        while True:
+            if job is None:
+                state = _DONE
+            elif job.running:
+                state = _FAILED if time.monotonic() >= deadline else _BUSY
+            else:
+                state = _FAILED if job.failure is not None else _DONE
+            state = all_reduce_int(state, dist.ReduceOp.MAX)
+            if state == _DONE:
+                return box.get("loaded")
+            if state == _FAILED:
+                if job is not None and job.failure is not None:
+                    raise job.failure  # load_checkpoint's ValueError names the file
+                if job is not None:
+                    raise ElasticRLError(f"{job.name}: not done within {limit:.4g}s (a disk slower than "
+                                         f"{CHECKPOINT_WRITE_MIN_BYTES_S / 1e6:g} MB/s)")
+                raise ElasticRLError(f"checkpoint {path}: rank {src} could not read it (its log says why)")
+            if job is not None:
+                job.settle(CHECKPOINT_POLL_S)
+            else:
+                time.sleep(CHECKPOINT_POLL_S)
+
     def _from_checkpoint(self, strategy, newest: int) -> Resumed:
         """The newest checkpoint, broadcast from the lowest rank that holds it (a rank that holds
         none gets it over torch.distributed)."""
         mine = ckpt.latest_iteration(self.ckpt_dir)
         src = all_reduce_int(self.world.rank if mine == newest else self.world.world_size, dist.ReduceOp.MIN)
-        loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(self.ckpt_dir, newest)) if self.world.rank == src else None
+        loaded = self._read_checkpoint(ckpt.checkpoint_dir(self.ckpt_dir, newest), src)
         # The metadata first, so every rank refuses an incompatible checkpoint together.
         meta = broadcast_json(loaded.meta if loaded else None, src)
         self._check_model(meta, f"checkpoint {newest} in {self.ckpt_dir}", "a new checkpoint.dir")
@@ -294,16 +329,16 @@ class Recovery:
         while True:
             pending = self._checkpointing
             if pending is None or not pending.running:
-                state = _WRITE_FAILED if pending is not None and pending.failure is not None else _WRITE_DONE
+                state = _FAILED if pending is not None and pending.failure is not None else _DONE
             else:
-                state = _WRITE_FAILED if time.monotonic() >= self._checkpoint_deadline else _WRITING
+                state = _FAILED if time.monotonic() >= self._checkpoint_deadline else _BUSY
             if self.world.world_size > 1:
                 state = all_reduce_int(state, dist.ReduceOp.MAX)
-            if state == _WRITE_DONE:
+            if state == _DONE:
                 if noted:
                     log.info("checkpoint %d: the one before is written (waited %.1fs)", iteration, time.monotonic() - waited)
                 return
-            if state == _WRITE_FAILED:
+            if state == _FAILED:
                 self.wait_checkpoint()  # a writer raises its own failure, or its deadline's
                 raise ElasticRLError(f"checkpoint {iteration}: the checkpoint before it failed on a writer rank "
                                      "(its log says why); stopping with it")

@@ -183,3 +183,54 @@ def test_a_failed_write_stops_every_rank_before_the_gather(writes, monkeypatch):
     assert isinstance(errors[0], OSError) and "No space left" in str(errors[0])
     assert isinstance(errors[1], ElasticRLError) and "checkpoint 8: the checkpoint before it failed on a writer rank" in str(errors[1])
     assert log == [] and writes.started == [4]  # nobody gathered, nothing started on top of it
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """ckpt.load_checkpoint that blocks until its gate opens, or raises what it is told to."""
+    state = SimpleNamespace(gate=threading.Event(), fail=None)
+
+    def load(path):
+        assert state.gate.wait(10)
+        if state.fail is not None:
+            raise state.fail
+        return SimpleNamespace(path=path)
+
+    monkeypatch.setattr(recovery.ckpt, "load_checkpoint", load)
+    return state
+
+
+def test_a_resume_reads_the_checkpoint_while_every_rank_polls_within_its_time_limit(reads, monkeypatch, tmp_path):
+    """Rank 0 reads a big checkpoint from a slow disk: no rank sits in one collective meanwhile
+    (the process group's time limit would end the resume), every one polls."""
+    rounds = two_ranks(monkeypatch)
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    src, other, got = made(0, 2), made(1, 2), {}
+
+    def open_after_two_polls():
+        deadline = time.monotonic() + 10
+        while len(rounds) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reads.gate.set()
+
+    threading.Thread(target=open_after_two_polls).start()
+    assert run_ranks(lambda: got.setdefault(0, src._read_checkpoint(str(tmp_path), 0)),
+                     lambda: got.setdefault(1, other._read_checkpoint(str(tmp_path), 0))) == {}
+    assert got == {0: SimpleNamespace(path=str(tmp_path)), 1: None}
+    assert rounds[-1] == 0 and len(rounds) >= 3 and set(rounds[:-1]) == {1}
+
+
+def test_a_checkpoint_that_cannot_be_read_or_not_in_time_stops_every_rank(reads, monkeypatch, tmp_path):
+    two_ranks(monkeypatch)
+    reads.fail = ValueError("checkpoint x: model.safetensors cannot be read: truncated")
+    reads.gate.set()
+    errors = run_ranks(lambda: made(0, 2)._read_checkpoint(str(tmp_path), 0), lambda: made(1, 2)._read_checkpoint(str(tmp_path), 0))
+    assert isinstance(errors[0], ValueError) and "truncated" in str(errors[0])
+    assert isinstance(errors[1], ElasticRLError) and "rank 0 could not read it" in str(errors[1])
+
+    reads.gate.clear()
+    reads.fail = None
+    monkeypatch.setattr(recovery, "CHECKPOINT_WRITE_MIN_S", 0.2)
+    errors = run_ranks(lambda: made(0, 2)._read_checkpoint(str(tmp_path), 0), lambda: made(1, 2)._read_checkpoint(str(tmp_path), 0))
+    reads.gate.set()
+    assert f"reading checkpoint {tmp_path}: not done within 0.2s" in str(errors[0]) and "rank 0 could not read it" in str(errors[1])
