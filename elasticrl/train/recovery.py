@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +60,34 @@ CHECKPOINT_WRITE_MIN_BYTES_S = 20e6
 # How often the ranks check together whether a checkpoint's write (or a resume's read) is done.
 CHECKPOINT_POLL_S = 1.0
 _DONE, _BUSY, _FAILED = 0, 1, 2
+
+
+def wait_together(job: BackgroundCall | None, deadline: float, *, reduce: bool,
+                  on_wait: Callable[[], None] | None = None) -> bool:
+    """*Collective* (with ``reduce``). Until ``job`` (this rank's, or None: nothing to wait for
+    here) has ended on every rank, every rank polls together: one small all-reduce each
+    ``CHECKPOINT_POLL_S``, so that none sits in one collective past the process group's time limit
+    while another rank's disk is slow. Returns True once every job ended well; False, on every rank
+    alike, once one failed or passed its ``deadline`` (``time.monotonic()``). ``on_wait`` is called
+    once, at the first poll that finds a job still running."""
+    while True:
+        if job is None:
+            state = _DONE
+        elif job.running:
+            state = _FAILED if time.monotonic() >= deadline else _BUSY
+        else:
+            state = _FAILED if job.failure is not None else _DONE
+        if reduce:
+            state = all_reduce_int(state, dist.ReduceOp.MAX)
+        if state != _BUSY:
+            return state == _DONE
+        if on_wait is not None:
+            on_wait()
+            on_wait = None
+        if job is not None and job.running:
+            job.settle(CHECKPOINT_POLL_S)
+        else:
+            time.sleep(CHECKPOINT_POLL_S)
 
 
 @dataclasses.dataclass
@@ -221,27 +251,14 @@ class Recovery:
             limit = max(CHECKPOINT_WRITE_MIN_S, size / CHECKPOINT_WRITE_MIN_BYTES_S)
             deadline = time.monotonic() + limit
             job = BackgroundCall(lambda: box.setdefault("loaded", ckpt.load_checkpoint(path)), f"reading checkpoint {path}")
-        while True:
-            if job is None:
-                state = _DONE
-            elif job.running:
-                state = _FAILED if time.monotonic() >= deadline else _BUSY
-            else:
-                state = _FAILED if job.failure is not None else _DONE
-            state = all_reduce_int(state, dist.ReduceOp.MAX)
-            if state == _DONE:
-                return box.get("loaded")
-            if state == _FAILED:
-                if job is not None and job.failure is not None:
-                    raise job.failure  # load_checkpoint's ValueError names the file
-                if job is not None:
-                    raise ElasticRLError(f"{job.name}: not done within {limit:.4g}s (a disk slower than "
-                                         f"{CHECKPOINT_WRITE_MIN_BYTES_S / 1e6:g} MB/s)")
-                raise ElasticRLError(f"checkpoint {path}: rank {src} could not read it (its log says why)")
-            if job is not None:
-                job.settle(CHECKPOINT_POLL_S)
-            else:
-                time.sleep(CHECKPOINT_POLL_S)
+        if wait_together(job, deadline, reduce=True):
+            return box.get("loaded")
+        if job is not None and job.failure is not None:
+            raise job.failure  # load_checkpoint's ValueError names the file
+        if job is not None:
+            raise ElasticRLError(f"{job.name}: not done within {limit:.4g}s (a disk slower than "
+                                 f"{CHECKPOINT_WRITE_MIN_BYTES_S / 1e6:g} MB/s)")
+        raise ElasticRLError(f"checkpoint {path}: rank {src} could not read it (its log says why)")
 
     def _from_checkpoint(self, strategy, newest: int) -> Resumed:
         """The newest checkpoint, broadcast from the lowest rank that holds it (a rank that holds
@@ -325,31 +342,16 @@ class Recovery:
         past its time limit meanwhile. A writer whose write failed or passed its deadline says so
         in the same all-reduce: it raises that failure, and every other rank stops too instead of
         waiting in the gather for it."""
-        waited, noted = time.monotonic(), False
-        while True:
-            pending = self._checkpointing
-            if pending is None or not pending.running:
-                state = _FAILED if pending is not None and pending.failure is not None else _DONE
-            else:
-                state = _FAILED if time.monotonic() >= self._checkpoint_deadline else _BUSY
-            if self.world.world_size > 1:
-                state = all_reduce_int(state, dist.ReduceOp.MAX)
-            if state == _DONE:
-                if noted:
-                    log.info("checkpoint %d: the one before is written (waited %.1fs)", iteration, time.monotonic() - waited)
-                return
-            if state == _FAILED:
-                self.wait_checkpoint()  # a writer raises its own failure, or its deadline's
-                raise ElasticRLError(f"checkpoint {iteration}: the checkpoint before it failed on a writer rank "
-                                     "(its log says why); stopping with it")
-            if not noted:
-                noted = True
-                log.info("checkpoint %d: waiting for the one before to be written (%s)", iteration,
-                         "here" if pending is not None and pending.running else "on a writer rank")
-            if pending is not None and pending.running:
-                pending.settle(CHECKPOINT_POLL_S)
-            else:
-                time.sleep(CHECKPOINT_POLL_S)
+        waited, pending = time.monotonic(), self._checkpointing
+        note = functools.partial(log.info, "checkpoint %d: waiting for the one before to be written (%s)", iteration,
+                                 "here" if pending is not None and pending.running else "on a writer rank")
+        ok = wait_together(pending, self._checkpoint_deadline, reduce=self.world.world_size > 1, on_wait=note)
+        if not ok:
+            self.wait_checkpoint()  # a writer raises its own failure, or its deadline's
+            raise ElasticRLError(f"checkpoint {iteration}: the checkpoint before it failed on a writer rank "
+                                 "(its log says why); stopping with it")
+        if time.monotonic() - waited > CHECKPOINT_POLL_S / 2:
+            log.info("checkpoint %d: the one before is written (waited %.1fs)", iteration, time.monotonic() - waited)
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, if any; re-raise its failure.
