@@ -220,8 +220,11 @@ def replicated_state(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, 
 def load_replicated_state(strategy, read, saved: Mapping[str, tuple], rest: Mapping[str, Any]) -> None:
     """``load_sharded_state`` through the full state: read every model and optimizer tensor whole
     (from whichever shards hold them), then the strategy's ``load_full_*``."""
-    from elasticrl.train.shards import Chunk
+    from elasticrl.train.shards import Chunk, ShardError
 
+    if any(name.startswith("zero.") for name in saved):
+        raise ShardError("the snapshot holds DeepSpeed ZeRO partitions, which only a ZeRO run loads (this run resumes from "
+                         "a checkpoint instead)")
     dest = {name: Chunk.whole(torch.empty(shape, dtype=dtype)) for name, (shape, dtype) in saved.items()
             if name.startswith(("model.", "optim."))}
     read(dest)

@@ -424,14 +424,23 @@ class DeepSpeedStrategy:
 
     def _load_z3_slices(self, read, saved, zero: dict[str, Any]) -> None:
         """ZeRO-3's ``load_sharded_state``: each rank reads only its partition of every trainable
-        parameter (master weight and optimizer state, from whichever saved slices overlap it) and
-        sets it locally; its working copy (``ds_tensor``, possibly bf16) follows. Frozen parameters
-        and buffers are read whole."""
+        parameter (master weight and optimizer state, from whichever saved slices overlap it)
+        straight into its live partition (no second copy); its working copy (``ds_tensor``,
+        possibly bf16) follows. Frozen parameters and buffers are read whole. As DeepSpeed's own
+        ZeRO-3 load does, every parameter is partitioned first (one kept whole under
+        ``stage3_param_persistence_threshold`` would not be gathered again from its new partition)
+        and the persistent ones are gathered at the end."""
         from deepspeed.runtime.zero import GatheredParameters
-        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+        from deepspeed.utils import (
+            safe_get_local_fp32_param,
+            safe_get_local_optimizer_state,
+            safe_set_local_fp32_param,
+            safe_set_local_optimizer_state,
+        )
 
         from elasticrl.train.shards import Chunk, ShardError
 
+        self.engine.optimizer.checkpoint_event_prologue()
         keys = sorted({name.split(".")[3] for name in saved if name.startswith("zero.optim.")})
         if keys:
             self._ensure_optimizer_state(keys, None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32))
@@ -443,8 +452,10 @@ class DeepSpeedStrategy:
                 continue
             if f"zero.param.{index}" not in saved:
                 raise ShardError(f"the snapshot has no zero.param.{index} (parameter {index} of {len(self._params)})")
-            start, n, part = self._z3_slice(param)
-            local[index] = {key: torch.zeros(part, dtype=torch.float32, device=self._device) for key in (None, *keys)}
+            start, n, _ = self._z3_slice(param)
+            # Views of the partition's state (copies only where the optimizer is offloaded: set below).
+            local[index] = {None: safe_get_local_fp32_param(param).detach(),
+                            **{key: safe_get_local_optimizer_state(param, key).detach() for key in keys}}
             if n:
                 for key, buf in local[index].items():
                     name = f"zero.param.{index}" if key is None else f"zero.optim.{index}.{key}"
@@ -474,8 +485,8 @@ class DeepSpeedStrategy:
                         t.data.copy_(value.to(t.device))
                 else:
                     t.data.copy_(value.to(t.device))
-        # Parameters kept whole on every rank (under stage3_param_persistence_threshold) are gathered
-        # again from the partitions just written, as after a step or a DeepSpeed checkpoint load.
+        # Parameters kept whole on every rank (under stage3_param_persistence_threshold), partitioned
+        # above, are gathered again from the partitions just written, as DeepSpeed's own load ends.
         self.engine.optimizer.checkpoint_event_epilogue()
         base = self._base_optimizer()
         for base_group, saved_group in zip(base.param_groups, zero["param_groups"]):

@@ -78,6 +78,8 @@ STRATEGIES: dict[str, tuple[str, dict]] = {
     "zero2": ("deepspeed", {"zero_stage": 2}),
     # A persistence threshold of 0 partitions even these tiny parameters (default: 1e5 elements).
     "zero3": ("deepspeed", {"zero_stage": 3, "deepspeed_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}),
+    # The default threshold: every parameter here is kept whole on every rank (and partitioned too).
+    "zero3-persistent": ("deepspeed", {"zero_stage": 3}),
 }
 
 
@@ -350,10 +352,12 @@ class Rank:
             assert all(k.startswith("zero.") or (k.startswith("model.") and c.replicated) for k, c in chunks.items()), sorted(chunks)
             held = sum(c.tensor.numel() for c in params.values())
             total = sum(getattr(p, "ds_numel", p.numel()) for p in strategy._params if p.requires_grad)
-            if name == "zero3":  # every parameter partitioned alike (padded to equal parts)
-                assert all(c.tensor.numel() <= -(-c.size[0] // self.world) for c in params.values()), (name, params)
-            # The flat groups cut in equal parts (padded to an alignment of a few elements).
-            assert held * self.world <= total + 16 * self.world ** 2, f"{name}: {held} of {total} elements in a world of {self.world}"
+            if name == "zero3":  # every parameter cut in equal parts (padded), rank r's the r-th
+                sizes = [p.ds_numel for p in strategy._params if p.requires_grad]
+                mine = sum(max(0, min(-(-n // self.world), n - self.rank * -(-n // self.world))) for n in sizes)
+                assert held == mine, f"{name}: rank {self.rank} holds {held} elements, its partitions {mine}"
+            else:  # the flat groups cut in equal parts (each padded to an alignment of a few elements)
+                assert held * self.world <= total + 16 * self.world ** 2, f"{name}: {held} of {total} elements in a world of {self.world}"
         where = self.dir / "snap" / name
         where.mkdir(parents=True, exist_ok=True)
         # As Snapshots.take stages it (one copy, packed), then as its writer writes it.
@@ -431,6 +435,15 @@ class Rank:
             self.load_snapshot(strategy, name)
             self.record(f"snap-{name}", *self.train(strategy, self.phase2_steps()), strategy)
             strategy.close()
+            if name == "zero3":
+                # Into a strategy that has run a step, with parameters kept whole (persistent): they
+                # are gathered then, and must be gathered again from the loaded partitions.
+                self.log(f"p2 snap {name} after a step")
+                strategy = self.fresh("zero3-persistent", c["seed"] + 5)
+                self.train(strategy, range(1, 2))
+                self.load_snapshot(strategy, name)
+                self.record(f"stepped-{name}", *self.train(strategy, self.phase2_steps()), strategy)
+                strategy.close()
             source = names[(i + 1) % len(names)]
             self.log(f"p2 cross {name} from {source}")
             strategy = self.fresh(name, c["seed"] + 2)
@@ -438,7 +451,7 @@ class Rank:
             self.record(f"cross-{name}", *self.train(strategy, self.phase2_steps()), strategy)
             strategy.close()
             if name.startswith("zero") and "ddp" in names:
-                # "ZeRO-3 (or another strategy's replicated state): through the full state"
+                # "another strategy's replicated state (or an older ZeRO-3 snapshot): through the full state"
                 self.log(f"p2 snapshot of ddp into {name}")
                 strategy = self.fresh(name, c["seed"] + 3)
                 self.load_snapshot(strategy, "ddp")

@@ -15,8 +15,10 @@ timeout; a rank that fails ends its launch at once):
    staged and written as ``Snapshots`` does); then, if w2 <= w1, the DDP ranks that survive re-form
    a world of w2 in the same processes, ``regroup()`` and load the DDP snapshot (in-place re-forming);
 2. a new world of w2 resumes every strategy on a model with other weights from its own snapshot
-   (DCP reshards w1 -> w2), from another strategy's checkpoint, and (ZeRO) from the DDP snapshot
-   ("another strategy's replicated state"), and trains K2 more steps.
+   (DCP reshards w1 -> w2), from another strategy's checkpoint, (ZeRO) from the DDP snapshot
+   ("another strategy's replicated state") and from the snapshot of another ZeRO stage (ZeRO-3
+   from ZeRO-2's and back), and trains K2 more steps. Phase 1 also checks that every ZeRO rank's
+   snapshot holds its own slices only.
 
 Everything is compared with a single-process reference (``strategy_random_worker.reference``):
 the whole global batch in one forward, the same REINFORCE token loss, ``clip_grad_norm_`` over all
@@ -283,10 +285,11 @@ def test_full_state_on_every_rank(run):
 @seeded
 def test_snapshots_reshard_and_training_continues_identically(run):
     """Each strategy's snapshot of a world of w1, loaded by a world of w2 into a model with other
-    weights, continues as the reference does; so does DDP re-formed in place (``regroup``) when
-    the new world is made of the old one's survivors."""
+    weights, continues as the reference does (ZeRO-3 also into one that has trained a step, whose
+    persistent parameters are gathered); so does DDP re-formed in place (``regroup``) when the new
+    world is made of the old one's survivors."""
     c = run["case"]
-    keys = [f"snap-{name}" for name in resumed(c)]
+    keys = [f"snap-{name}" for name in resumed(c)] + [f"stepped-{n}" for n in resumed(c) if n == "zero3"]
     if c["w2"] <= c["w1"]:
         keys.append("regroup-ddp")
     assert set(keys) <= set(run["results"]), f"missing runs {sorted(set(keys) - set(run['results']))}"

@@ -169,3 +169,17 @@ def test_common_step_and_state_keys_refuse_mismatches():
         common_step([{"step": torch.tensor(1.0)}, {"step": torch.tensor(2.0)}])
     with pytest.raises(KeyError, match=r"missing \['b'\], unexpected \['c'\]"):
         check_state_keys(["a", "b"], ["a", "c"])
+
+
+def test_a_replicated_strategy_refuses_a_zero_snapshot_so_the_resume_falls_back_to_a_checkpoint():
+    """DDP cannot load ZeRO partitions: ShardError (which ``Recovery`` answers with the newest
+    checkpoint), not a KeyError that ends the resume."""
+    from elasticrl.train.shards import ShardError
+    from elasticrl.train.strategy_base import load_replicated_state
+
+    def read(chunks):
+        raise AssertionError("nothing is read")
+
+    saved = {"zero.param.0": ((4,), torch.float32), "model.buf": ((2,), torch.float32)}
+    with pytest.raises(ShardError, match="ZeRO partitions, which only a ZeRO run loads"):
+        load_replicated_state(None, read, saved, {"zero": {}})
