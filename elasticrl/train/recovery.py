@@ -247,7 +247,10 @@ class Recovery:
         box: dict[str, ckpt.Checkpoint] = {}
         job, deadline, limit = None, 0.0, 0.0
         if self.world.rank == src:
-            size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file())
+            try:
+                size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file())
+            except OSError:  # the read below fails too, naming the file, and every rank learns so
+                size = 0
             limit = max(CHECKPOINT_WRITE_MIN_S, size / CHECKPOINT_WRITE_MIN_BYTES_S)
             deadline = time.monotonic() + limit
             job = BackgroundCall(lambda: box.setdefault("loaded", ckpt.load_checkpoint(path)), f"reading checkpoint {path}")

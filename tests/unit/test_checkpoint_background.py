@@ -234,3 +234,11 @@ def test_a_checkpoint_that_cannot_be_read_or_not_in_time_stops_every_rank(reads,
     errors = run_ranks(lambda: made(0, 2)._read_checkpoint(str(tmp_path), 0), lambda: made(1, 2)._read_checkpoint(str(tmp_path), 0))
     reads.gate.set()
     assert f"reading checkpoint {tmp_path}: not done within 0.2s" in str(errors[0]) and "rank 0 could not read it" in str(errors[1])
+
+
+def test_a_checkpoint_directory_gone_before_the_read_stops_every_rank_too(monkeypatch, tmp_path):
+    two_ranks(monkeypatch)
+    gone = str(tmp_path / "iter-000004")
+    errors = run_ranks(lambda: made(0, 2)._read_checkpoint(gone, 0), lambda: made(1, 2)._read_checkpoint(gone, 0))
+    assert isinstance(errors[0], ValueError) and "meta.json cannot be read" in str(errors[0])
+    assert "rank 0 could not read it" in str(errors[1])
