@@ -2,12 +2,13 @@
 
 A single-turn run renders each row's prompt on the engines, at rollout (``env.prompt.PromptEnv``
 through the run's renderer). A prompt of at least the context's tokens (the smaller of
-``env.max_context_tokens`` and the model's) leaves no room for one token: every episode of its group fails, is retried
-``rollout.max_task_failures`` times and then dropped, iteration after iteration. So the trainer
-renders every row once at start-up, the same way, each rank a share of them, and either leaves those
-rows out (``task.overlong_prompts = "drop"``, the default, with a warning that says how many and
-which) or stops with the first of them (``"error"``). A prompt that fits but leaves fewer than
-``rollout.max_new_tokens`` is kept: its completions are cut at the context, as at rollout.
+``env.max_context_tokens`` and the model's) leaves no room for one token: every episode of its
+group fails, is retried ``rollout.max_task_failures`` times and then dropped, iteration after
+iteration. So the trainer renders every row once at start-up, the same way, each rank a share of
+them, and either leaves those rows out (``task.overlong_prompts = "drop"``, the default, with a
+warning that says how many and which) or stops with the first of them (``"error"``). A prompt that
+fits but leaves fewer than ``rollout.max_new_tokens`` is kept: its completions are cut at the
+context, as at rollout.
 """
 
 from __future__ import annotations
