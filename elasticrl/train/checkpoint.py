@@ -159,8 +159,13 @@ def latest_iteration(root: str) -> int:
     return found[-1][0] if found else 0
 
 
-def load_checkpoint(path: str) -> Checkpoint:
-    """The checkpoint in ``path``. Raises ValueError naming the file that cannot be read."""
+def load_checkpoint(path: str, *, read_now: bool = False) -> Checkpoint:
+    """The checkpoint in ``path``. Raises ValueError naming the file that cannot be read.
+
+    Its tensors map the files (safetensors' default): the disk is read as they are first used.
+    ``read_now`` reads every byte here instead, into memory of their own (the resume's reader
+    thread: the ranks' broadcast then waits for no disk)."""
+    load = (lambda file: {k: v.clone() for k, v in load_file(file).items()}) if read_now else load_file
     name = os.path.join(path, META_FILE)
     try:
         with open(name) as f:
@@ -169,11 +174,11 @@ def load_checkpoint(path: str) -> Checkpoint:
             raise ValueError(f"checkpoint format {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
         iteration = int(meta["iteration"])
         name = os.path.join(path, MODEL_FILE)
-        model = load_file(name)
+        model = load(name)
         name = os.path.join(path, OPTIMIZER_FILE)
-        optimizer = load_file(name)
+        optimizer = load(name)
         name = os.path.join(path, REFERENCE_FILE)
-        reference = load_file(name) if os.path.exists(name) else None
+        reference = load(name) if os.path.exists(name) else None
     except Exception as exc:  # noqa: BLE001 - json's, safetensors' and OSError's messages name no file
         raise ValueError(f"checkpoint {path}: {os.path.basename(name)} cannot be read: {type(exc).__name__}: {exc}") from exc
     return Checkpoint(iteration=iteration, model=model, optimizer_tensors=optimizer, meta=meta, reference=reference)

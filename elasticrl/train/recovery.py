@@ -17,8 +17,10 @@ Resuming (every rank the same decision, from all-gathered facts; no rank decides
    point, as files into its own directory.
 3. ``TrainStrategy.load_sharded_state`` loads them into this world's cut with
    ``torch.distributed.checkpoint`` (``shards.read_shards``): another world size reshards.
-   Every rank reads first and the ranks agree that all reads worked before any state is applied,
-   so a bad file makes every rank fall back to the checkpoint together.
+   Every rank reads first and the ranks agree that all reads worked before the state is applied
+   (ZeRO reads its optimizer slices, and ZeRO-3 its partitions, straight into the live state: the
+   checkpoint a failed read falls back to overwrites all of it), so a bad file makes every rank
+   fall back to the checkpoint together.
 
 Without a complete snapshot (snapshots off, every node that held a shard lost) the newest disk
 checkpoint any rank holds is broadcast from the lowest rank that holds it, as before snapshots.
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import logging
 import os
@@ -253,7 +254,8 @@ class Recovery:
                 size = 0
             limit = max(CHECKPOINT_WRITE_MIN_S, size / CHECKPOINT_WRITE_MIN_BYTES_S)
             deadline = time.monotonic() + limit
-            job = BackgroundCall(lambda: box.setdefault("loaded", ckpt.load_checkpoint(path)), f"reading checkpoint {path}")
+            job = BackgroundCall(lambda: box.setdefault("loaded", ckpt.load_checkpoint(path, read_now=True)),
+                                 f"reading checkpoint {path}")
         if wait_together(job, deadline, reduce=True):
             return box.get("loaded")
         if job is not None and job.failure is not None:
@@ -345,15 +347,19 @@ class Recovery:
         past its time limit meanwhile. A writer whose write failed or passed its deadline says so
         in the same all-reduce: it raises that failure, and every other rank stops too instead of
         waiting in the gather for it."""
-        waited, pending = time.monotonic(), self._checkpointing
-        note = functools.partial(log.info, "checkpoint %d: waiting for the one before to be written (%s)", iteration,
-                                 "here" if pending is not None and pending.running else "on a writer rank")
+        waited, pending, noted = time.monotonic(), self._checkpointing, []
+
+        def note() -> None:  # a write still running somewhere: say so now, and when it is done
+            noted.append(True)
+            log.info("checkpoint %d: waiting for the one before to be written (%s)", iteration,
+                     "here" if pending is not None and pending.running else "on a writer rank")
+
         ok = wait_together(pending, self._checkpoint_deadline, reduce=self.world.world_size > 1, on_wait=note)
         if not ok:
             self.wait_checkpoint()  # a writer raises its own failure, or its deadline's
             raise ElasticRLError(f"checkpoint {iteration}: the checkpoint before it failed on a writer rank "
                                  "(its log says why); stopping with it")
-        if time.monotonic() - waited > CHECKPOINT_POLL_S / 2:
+        if noted:
             log.info("checkpoint %d: the one before is written (waited %.1fs)", iteration, time.monotonic() - waited)
 
     def wait_checkpoint(self) -> None:

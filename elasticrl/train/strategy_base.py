@@ -223,8 +223,8 @@ def load_replicated_state(strategy, read, saved: Mapping[str, tuple], rest: Mapp
     from elasticrl.train.shards import Chunk, ShardError
 
     if any(name.startswith("zero.") for name in saved):
-        raise ShardError("the snapshot holds DeepSpeed ZeRO partitions, which only a ZeRO run loads (this run resumes from "
-                         "a checkpoint instead)")
+        raise ShardError("the snapshot holds DeepSpeed ZeRO partitions, which only a ZeRO run loads (the resume falls "
+                         "back to the newest checkpoint, if there is one)")
     dest = {name: Chunk.whole(torch.empty(shape, dtype=dtype)) for name, (shape, dtype) in saved.items()
             if name.startswith(("model.", "optim."))}
     read(dest)

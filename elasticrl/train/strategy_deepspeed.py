@@ -425,7 +425,8 @@ class DeepSpeedStrategy:
     def _load_z3_slices(self, read, saved, zero: dict[str, Any]) -> None:
         """ZeRO-3's ``load_sharded_state``: each rank reads only its partition of every trainable
         parameter (master weight and optimizer state, from whichever saved slices overlap it)
-        straight into its live partition (no second copy); its working copy (``ds_tensor``,
+        straight into its live partition (no second copy, unless the optimizer is offloaded:
+        DeepSpeed's getters then return device copies, set back after the read); its working copy (``ds_tensor``,
         possibly bf16) follows. Frozen parameters and buffers are read whole. As DeepSpeed's own
         ZeRO-3 load does, every parameter is partitioned first (one kept whole under
         ``stage3_param_persistence_threshold`` would not be gathered again from its new partition)

@@ -190,7 +190,8 @@ def reads(monkeypatch):
     """ckpt.load_checkpoint that blocks until its gate opens, or raises what it is told to."""
     state = SimpleNamespace(gate=threading.Event(), fail=None)
 
-    def load(path):
+    def load(path, *, read_now=False):
+        assert read_now  # the reader thread reads the bytes: the broadcast after it must wait for no disk
         assert state.gate.wait(10)
         if state.fail is not None:
             raise state.fail

@@ -129,3 +129,25 @@ def test_a_saved_model_is_matched_by_what_it_is_not_where_it_lies():
     assert model_identity(hf) != model_identity({**hf, "dtype": "bfloat16"})
     tiny = {**hf, "kind": "tiny", "path": ""}
     assert model_identity(tiny) != model_identity({**tiny, "d_model": 32})  # the tiny policy's sizes are its identity
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_read_now_leaves_no_tensor_mapping_the_checkpoint_files(tmp_path):
+    """The resume's reader thread reads every byte (``read_now``): safetensors' default maps the
+    files, and the disk would be read later, inside the ranks' broadcast."""
+    import gc
+
+    path = ckpt.save_checkpoint(str(tmp_path), 3, {"w": torch.arange(4096.0)}, {"state": {}, "param_groups": []}, {"k": 1},
+                                keep_last=1)
+    model_file = os.path.join(path, ckpt.MODEL_FILE)
+
+    def mapped() -> bool:
+        gc.collect()
+        with open("/proc/self/maps") as f:
+            return model_file in f.read()
+
+    lazy = ckpt.load_checkpoint(path)
+    assert mapped()  # (what this test tells apart)
+    del lazy
+    read = ckpt.load_checkpoint(path, read_now=True)
+    assert not mapped() and torch.equal(read.model["w"], torch.arange(4096.0))
