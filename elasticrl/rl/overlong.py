@@ -90,13 +90,14 @@ def apply(found: list[Overlong], *, mode: str, limit: int, train: int, held_out:
 
 
 def leave_out(cfg, rows, first_tokens: Callable[[Any], Sequence[int]], limit: int, *, rank: int, world_size: int,
-              gather: Callable[[Any], list]) -> None:
+              gather: Callable[[Any], list], run: Callable[[Callable[[], Any]], Any] = lambda fn: fn()) -> None:
     """*Collective* (``gather``: every rank's value, in rank order). Check every prompt of a
     single-turn dataset run (``rows``: ``workload.DatasetRows``) against the smallest ``limit``
     (tokens; 0: none known) of any rank, each rank ``1/world_size`` of the rows, and apply
     ``task.overlong_prompts`` on every rank alike. Once per process: a world re-formed in place
     keeps its rows. Before the rows are resumed: ``DatasetRows.resume`` compares the rows per epoch
-    with the checkpoint's."""
+    with the checkpoint's. ``run(fn)`` runs this rank's scan (the trainer: on a thread while the
+    ranks poll together, ``background.run_together``; a big dataset takes minutes)."""
     from elasticrl.rl.workload import row_label
 
     t = cfg.task
@@ -107,8 +108,8 @@ def leave_out(cfg, rows, first_tokens: Callable[[Any], Sequence[int]], limit: in
     if not limit:
         return
     keys = dict(prompt_key="" if t.messages_key else t.prompt_key, messages_key=t.messages_key)
-    mine = [o for split, some in (("train", rows.train), ("eval", rows.held_out))
-            for o in scan(some, range(rank, len(some), world_size), first_tokens, limit, split=split, **keys)]
+    mine = run(lambda: [o for split, some in (("train", rows.train), ("eval", rows.held_out))
+                        for o in scan(some, range(rank, len(some), world_size), first_tokens, limit, split=split, **keys)])
     found = [Overlong(**o) for share in gather([dataclasses.asdict(o) for o in mine]) for o in share]
 
     def named(o: Overlong) -> str:

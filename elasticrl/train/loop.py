@@ -47,7 +47,7 @@ from elasticrl.scheduler.weights import pack_state_dict
 from elasticrl.train import checkpoint as ckpt
 from elasticrl.train.names import engine_member_id, iteration_seed, member_id, rollout_run, weights_version, workers_run
 from elasticrl.train import reform
-from elasticrl.train.background import BackgroundCall
+from elasticrl.train.background import BackgroundCall, run_together
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_sum, broadcast_json, init_process_group, set_waiter
 from elasticrl.train.logcontext import WorkerLogContext, node_name
 from elasticrl.train.metric_sinks import JsonLines, ProgressTable, open_sinks
@@ -176,7 +176,8 @@ class NodeTrainer(InPlace):
             )
         # Before the rows resume: a prompt that leaves no room to generate would fail at rollout, every time.
         overlong.leave_out(cfg, self.rows, build_renderer(cfg, self.parts).first, context_tokens(cfg), rank=world.rank,
-                           world_size=world.world_size, gather=all_gather_json)
+                           world_size=world.world_size, gather=all_gather_json,
+                           run=lambda scan: run_together(scan, "checking the prompts' lengths", reduce=world.world_size > 1))
         start = self._resume() if cfg.checkpoint.resume else 0
         if start == 0 and t.warmup_steps and self.task is not None:
             supervised_warmup(self.parts, self.strategy, self.task, steps=t.warmup_steps, batch_size=t.warmup_batch_size,

@@ -35,7 +35,6 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +44,7 @@ from elasticrl.config import ConfigError, NodeConfig, to_dict
 from elasticrl.config.node import model_identity
 from elasticrl.errors import ElasticRLError
 from elasticrl.train import checkpoint as ckpt, stop
-from elasticrl.train.background import BackgroundCall
+from elasticrl.train.background import BackgroundCall, wait_together
 from elasticrl.train.dist import WorldInfo, all_gather_json, all_reduce_int, broadcast_json, broadcast_tensors
 from elasticrl.train.shard_wire import WireError, move
 from elasticrl.train.shards import Chunk, ShardError, read_shards, saved_tensors
@@ -58,39 +57,6 @@ log = logging.getLogger(__name__)
 # second (a disk slower than that stops the run instead of hanging it at the end).
 CHECKPOINT_WRITE_MIN_S = 600.0
 CHECKPOINT_WRITE_MIN_BYTES_S = 20e6
-# How often the ranks check together whether a checkpoint's write (or a resume's read) is done.
-CHECKPOINT_POLL_S = 1.0
-_DONE, _BUSY, _FAILED = 0, 1, 2
-
-
-def wait_together(job: BackgroundCall | None, deadline: float, *, reduce: bool,
-                  on_wait: Callable[[], None] | None = None) -> bool:
-    """*Collective* (with ``reduce``). Until ``job`` (this rank's, or None: nothing to wait for
-    here) has ended on every rank, every rank polls together: one small all-reduce each
-    ``CHECKPOINT_POLL_S``, so that none sits in one collective past the process group's time limit
-    while another rank's disk is slow. Returns True once every job ended well; False, on every rank
-    alike, once one failed or passed its ``deadline`` (``time.monotonic()``). ``on_wait`` is called
-    once, at the first poll that finds a job still running."""
-    while True:
-        if job is None:
-            state = _DONE
-        elif job.running:
-            state = _FAILED if time.monotonic() >= deadline else _BUSY
-        else:
-            state = _FAILED if job.failure is not None else _DONE
-        if reduce:
-            state = all_reduce_int(state, dist.ReduceOp.MAX)
-        if state != _BUSY:
-            return state == _DONE
-        if on_wait is not None:
-            on_wait()
-            on_wait = None
-        if job is not None and job.running:
-            job.settle(CHECKPOINT_POLL_S)
-        else:
-            time.sleep(CHECKPOINT_POLL_S)
-
-
 @dataclasses.dataclass
 class Resumed:
     """What a resume loaded besides the strategy's state, for the trainer to apply."""
@@ -241,7 +207,7 @@ class Recovery:
 
     def _read_checkpoint(self, path: str, src: int) -> ckpt.Checkpoint | None:
         """*Collective.* Rank ``src`` reads the checkpoint in ``path`` (None elsewhere) in a thread,
-        while every rank polls together, one small all-reduce each ``CHECKPOINT_POLL_S``: a big
+        while every rank polls together, one small all-reduce a second (``background.wait_together``): a big
         checkpoint on a slow disk keeps no rank in a collective past its time limit (the process
         group's, ``coordinator.barrier_timeout_s`` + 60 s). A read that fails, or is not done by
         the deadline a write has, stops every rank."""
@@ -343,7 +309,7 @@ class Recovery:
         """*Collective.* Before the next checkpoint's state is gathered, every rank waits until no
         writer rank is still writing the one before, so a host never holds two full copies of the
         state (a writer would gather the new one while its last write lags). The ranks poll
-        together, one small all-reduce each ``CHECKPOINT_POLL_S``, so none sits in a collective
+        together, one small all-reduce a second (``background.wait_together``), so none sits in a collective
         past its time limit meanwhile. A writer whose write failed or passed its deadline says so
         in the same all-reduce: it raises that failure, and every other rank stops too instead of
         waiting in the gather for it."""

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from elasticrl.errors import ElasticRLError
-from elasticrl.train import recovery
+from elasticrl.train import background, recovery
+from elasticrl.train import dist as dist_helpers
 from elasticrl.train.recovery import Recovery
 
 pytestmark = pytest.mark.timeout(30)
@@ -124,8 +125,8 @@ def two_ranks(monkeypatch):
             rounds.append(result)
         return result
 
-    monkeypatch.setattr(recovery, "all_reduce_int", all_reduce_int)
-    monkeypatch.setattr(recovery, "CHECKPOINT_POLL_S", 0.05)
+    monkeypatch.setattr(dist_helpers, "all_reduce_int", all_reduce_int)  # what background.wait_together calls
+    monkeypatch.setattr(background, "POLL_S", 0.05)
     return rounds
 
 
@@ -243,3 +244,19 @@ def test_a_checkpoint_directory_gone_before_the_read_stops_every_rank_too(monkey
     errors = run_ranks(lambda: made(0, 2)._read_checkpoint(gone, 0), lambda: made(1, 2)._read_checkpoint(gone, 0))
     assert isinstance(errors[0], ValueError) and "meta.json cannot be read" in str(errors[0])
     assert "rank 0 could not read it" in str(errors[1])
+
+
+def test_run_together_returns_each_ranks_result_and_stops_every_rank_on_a_failure(monkeypatch):
+    """What the start-up check of a dataset's prompts runs each rank's share in."""
+    rounds = two_ranks(monkeypatch)
+    got = {}
+    assert run_ranks(lambda: got.setdefault(0, background.run_together(lambda: time.sleep(0.2) or "a", "scan", reduce=True)),
+                     lambda: got.setdefault(1, background.run_together(lambda: "b", "scan", reduce=True))) == {}
+    assert got == {0: "a", 1: "b"} and rounds[-1] == 0 and 1 in rounds  # rank 1 polled while rank 0 worked
+
+    def fails():
+        raise ValueError("row 7 broke the tokenizer")
+
+    errors = run_ranks(lambda: background.run_together(fails, "scan", reduce=True),
+                       lambda: background.run_together(lambda: "b", "scan", reduce=True))
+    assert isinstance(errors[0], ValueError) and str(errors[1]) == "scan: failed on another rank (its log says why)"

@@ -171,3 +171,17 @@ def test_a_row_that_cannot_be_rendered_is_left_to_rollout():
     made = DatasetRows([{"prompt": "bad" * 10}, {"prompt": "x" * 20}, {"prompt": "ok"}], [], seed=0, per_iteration=1)
     overlong.leave_out(cfg(), made, picky, LIMIT, rank=0, world_size=1, gather=lambda v: [v])
     assert [r["prompt"] for r in made.train] == ["bad" * 10, "ok"]
+
+
+def test_each_ranks_scan_runs_in_what_the_trainer_gives_it():
+    """The trainer runs the scan on a thread while the ranks poll together (a big dataset takes
+    minutes, past one collective's time limit): ``run`` gets the whole scan of this rank's share."""
+    ran = []
+
+    def run(scan):
+        ran.append(True)
+        return scan()
+
+    made = DatasetRows(rows([3, 30]), [], seed=0, per_iteration=1)
+    overlong.leave_out(cfg(), made, first_tokens, LIMIT, rank=0, world_size=1, gather=lambda v: [v], run=run)
+    assert ran == [True] and [r["id"] for r in made.train] == [0]
