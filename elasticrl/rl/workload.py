@@ -20,8 +20,8 @@ import functools
 import hashlib
 import json
 import logging
-import random
 import pathlib
+import random
 from typing import Any, Protocol
 
 from elasticrl.config import ConfigError, NodeConfig
@@ -276,9 +276,10 @@ def context_tokens(cfg: NodeConfig) -> int:
     and the policy's context (the tiny policy's ``model.max_seq_len``; an HF checkpoint's positions,
     from its config.json), where set; 0 when neither is. Read from the config, so every rank
     knows it before any engine is built."""
+    from elasticrl.rollout.episodes import context_limit
+
     model = cfg.model.max_seq_len if cfg.model.kind == "tiny" else model_positions(pathlib.Path(cfg.model.path))
-    limits = [x for x in (cfg.env.max_context_tokens, model) if x]
-    return min(limits) if limits else 0
+    return context_limit(cfg.env.max_context_tokens, model)
 
 
 def max_new_tokens(cfg: NodeConfig, task: Task | None) -> int:

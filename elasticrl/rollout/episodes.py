@@ -157,10 +157,10 @@ def _every(interval_s: float, callbacks: list[Callable[[], None]]) -> Callable[[
     return call
 
 
-def context_limit(max_context_tokens: int, engine: Any) -> int:
-    """Tokens an episode may hold: the smaller of ``env.max_context_tokens`` and the engine's
-    context (``max_context``), where set; 0 when neither is."""
-    limits = [x for x in (max_context_tokens, getattr(engine, "max_context", None) or 0) if x]
+def context_limit(max_context_tokens: int, model_context: int | None) -> int:
+    """Tokens an episode may hold: the smaller of ``env.max_context_tokens`` and the model's
+    context (an engine's ``max_context``), where set; 0 when neither is."""
+    limits = [x for x in (max_context_tokens, model_context) if x]
     return min(limits) if limits else 0
 
 
@@ -208,7 +208,7 @@ class EpisodeRunner:
         self.lock = engine_lock or threading.RLock()
         self.decode = decode
         self.final_reward = final_reward
-        self.max_context = context_limit(settings.max_context, engine) or 1 << 62
+        self.max_context = context_limit(settings.max_context, getattr(engine, "max_context", None)) or 1 << 62
         self.generate_calls = 0
         self.generated_rows = 0
         self._engine_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")

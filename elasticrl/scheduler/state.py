@@ -229,12 +229,17 @@ class Task:
     @status.setter
     def status(self, status: TaskStatus) -> None:
         if self._tally is not None:
-            self._tally[self._status] -= 1
-            self._tally[status] += 1
-            if self.spec.split is Split.EVAL:
-                self._tally[Split.EVAL, self._status] -= 1
-                self._tally[Split.EVAL, status] += 1
+            _tally(self._tally, self, self._status, -1)
+            _tally(self._tally, self, status, 1)
         self._status = status
+
+
+def _tally(tally: collections.Counter, task: Task, status: TaskStatus, by: int) -> None:
+    """Count ``task`` as in ``status`` (``by`` 1) or no longer (-1): under the status, and a held-out
+    task under ``(Split.EVAL, status)`` too (``Iteration.count``)."""
+    tally[status] += by
+    if task.spec.split is Split.EVAL:
+        tally[Split.EVAL, status] += by
 
 
 class TaskTable(dict):
@@ -253,15 +258,11 @@ class TaskTable(dict):
     def __setitem__(self, task_id: str, task: Task) -> None:
         old = self.get(task_id)
         if old is not None:
-            self.tally[old.status] -= 1
-            if old.spec.split is Split.EVAL:
-                self.tally[Split.EVAL, old.status] -= 1
+            _tally(self.tally, old, old.status, -1)
             old._tally = None
         super().__setitem__(task_id, task)
         task._tally = self.tally
-        self.tally[task.status] += 1
-        if task.spec.split is Split.EVAL:
-            self.tally[Split.EVAL, task.status] += 1
+        _tally(self.tally, task, task.status, 1)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -358,8 +359,11 @@ class Iteration:
 
     def count(self, status: TaskStatus, split: Split | None = None) -> int:
         """Tasks in ``status``: of every split, or of ``split`` alone (``Split.TRAIN``: all but the held-out ones)."""
-        return self.tasks.tally[status] if split is None else self.tasks.tally[Split.EVAL, status] if split is Split.EVAL \
-            else self.tasks.tally[status] - self.tasks.tally[Split.EVAL, status]
+        tally = self.tasks.tally
+        if split is None:
+            return tally[status]
+        held_out = tally[Split.EVAL, status]
+        return held_out if split is Split.EVAL else tally[status] - held_out
 
     def node(self, member_id: str) -> NodeStats:
         stats = self.nodes.get(member_id)

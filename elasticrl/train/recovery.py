@@ -57,6 +57,14 @@ log = logging.getLogger(__name__)
 # second (a disk slower than that stops the run instead of hanging it at the end).
 CHECKPOINT_WRITE_MIN_S = 600.0
 CHECKPOINT_WRITE_MIN_BYTES_S = 20e6
+
+
+def io_limit_s(nbytes: float) -> float:
+    """How long a checkpoint's write or read of ``nbytes`` may take: ``CHECKPOINT_WRITE_MIN_S`` at
+    least, else at ``CHECKPOINT_WRITE_MIN_BYTES_S``."""
+    return max(CHECKPOINT_WRITE_MIN_S, nbytes / CHECKPOINT_WRITE_MIN_BYTES_S)
+
+
 @dataclasses.dataclass
 class Resumed:
     """What a resume loaded besides the strategy's state, for the trainer to apply."""
@@ -207,10 +215,10 @@ class Recovery:
 
     def _read_checkpoint(self, path: str, src: int) -> ckpt.Checkpoint | None:
         """*Collective.* Rank ``src`` reads the checkpoint in ``path`` (None elsewhere) in a thread,
-        while every rank polls together, one small all-reduce a second (``background.wait_together``): a big
-        checkpoint on a slow disk keeps no rank in a collective past its time limit (the process
-        group's, ``coordinator.barrier_timeout_s`` + 60 s). A read that fails, or is not done by
-        the deadline a write has, stops every rank."""
+        while every rank polls together, one small all-reduce a second
+        (``background.wait_together``): a big checkpoint on a slow disk keeps no rank in a
+        collective past its time limit (the process group's, ``coordinator.barrier_timeout_s`` +
+        60 s). A read that fails, or is not done by the deadline a write has, stops every rank."""
         box: dict[str, ckpt.Checkpoint] = {}
         job, deadline, limit = None, 0.0, 0.0
         if self.world.rank == src:
@@ -218,7 +226,7 @@ class Recovery:
                 size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file())
             except OSError:  # the read below fails too, naming the file, and every rank learns so
                 size = 0
-            limit = max(CHECKPOINT_WRITE_MIN_S, size / CHECKPOINT_WRITE_MIN_BYTES_S)
+            limit = io_limit_s(size)
             deadline = time.monotonic() + limit
             job = BackgroundCall(lambda: box.setdefault("loaded", ckpt.load_checkpoint(path, read_now=True)),
                                  f"reading checkpoint {path}")
@@ -301,16 +309,15 @@ class Recovery:
                                                         {**meta, "metrics": metrics}, keep_last=c.keep_last, reference=ref)
             log.info("saved checkpoint %s", self.last_checkpoint)
 
-        limit = max(CHECKPOINT_WRITE_MIN_S, nbytes * 3 / CHECKPOINT_WRITE_MIN_BYTES_S)  # + Adam's 2x
-        self._checkpoint_deadline = time.monotonic() + limit
+        self._checkpoint_deadline = time.monotonic() + io_limit_s(nbytes * 3)  # + Adam's 2x
         self._checkpointing = BackgroundCall(write, f"writing checkpoint {ckpt.checkpoint_dir(self.ckpt_dir, iteration)}")
 
     def _await_previous_write(self, iteration: int) -> None:
         """*Collective.* Before the next checkpoint's state is gathered, every rank waits until no
         writer rank is still writing the one before, so a host never holds two full copies of the
         state (a writer would gather the new one while its last write lags). The ranks poll
-        together, one small all-reduce a second (``background.wait_together``), so none sits in a collective
-        past its time limit meanwhile. A writer whose write failed or passed its deadline says so
+        together, one small all-reduce a second (``background.wait_together``), so none sits in a
+        collective past its time limit meanwhile. A writer whose write failed or passed its deadline says so
         in the same all-reduce: it raises that failure, and every other rank stops too instead of
         waiting in the gather for it."""
         waited, pending, noted = time.monotonic(), self._checkpointing, []

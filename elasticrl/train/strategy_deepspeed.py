@@ -217,12 +217,9 @@ class DeepSpeedStrategy:
         # ZeRO-3's full setter cuts the unpadded value at the padded partition's offset, past its
         # end on the last rank when the size does not divide by the world: this rank's slice of
         # the zero-padded value instead.
-        part = param.ds_tensor.numel()
-        zero = param._z3_optimizer
-        rank = zero._get_param_partition_rank(param) if hasattr(zero, "_get_param_partition_rank") else dist.get_rank()
-        piece = value.reshape(-1)[part * rank:part * (rank + 1)]
+        start, n, part = self._z3_slice(param)
         local = torch.zeros(part, dtype=value.dtype, device=value.device)
-        local[:piece.numel()] = piece
+        local[:n] = value.reshape(-1)[start:start + n]
         if key is None:
             safe_set_local_fp32_param(param, local)
         else:
@@ -275,11 +272,7 @@ class DeepSpeedStrategy:
             raise ValueError(
                 f"optimizer state has groups of {[len(g['params']) for g in groups]} parameters, this optimizer {self._group_sizes}"
             )
-        base = self._base_optimizer()
-        for base_group, saved_group in zip(base.param_groups, groups):
-            for key, value in saved_group.items():
-                if key != "params" and key in base_group:
-                    base_group[key] = tuple(value) if isinstance(value, list) else value
+        self._set_hyper_params(groups)
         if not saved:
             return
         step = common_step(saved.values())
@@ -294,6 +287,13 @@ class DeepSpeedStrategy:
             for key in keys:
                 value = saved[index][key].to(device=self._device, dtype=torch.float32)
                 self._set_full(param, value, key)
+
+    def _set_hyper_params(self, groups: list[dict[str, Any]]) -> None:
+        """Each saved param group's hyper-parameters (lr, betas, ...) into ZeRO's base optimizer."""
+        for base_group, saved_group in zip(self._base_optimizer().param_groups, groups):
+            for key, value in saved_group.items():
+                if key != "params" and key in base_group:
+                    base_group[key] = tuple(value) if isinstance(value, list) else value
 
     def _ensure_optimizer_state(self, keys: list[str], step: torch.Tensor | None) -> None:
         """Before the first step the base optimizer has no state for its flat partitions: make it
@@ -388,13 +388,12 @@ class DeepSpeedStrategy:
             load_replicated_state(self, read, saved, rest)
             return
         zero = rest["zero"]
-        if self.config.zero_stage == 3:
-            self._load_z3_slices(read, saved, zero)
-            return
         keys = sorted({name.split(".")[3] for name in saved if name.startswith("zero.optim.")})
-        step = None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32)
-        if keys:
-            self._ensure_optimizer_state(keys, step)
+        if keys:  # somewhere for the optimizer slices to land
+            self._ensure_optimizer_state(keys, None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32))
+        if self.config.zero_stage == 3:
+            self._load_z3_slices(read, saved, zero, keys)
+            return
         named = self._named_tensors()
         index_of = {id(p): i for i, p in enumerate(self._params) if p.requires_grad}
         dest: dict[str, Chunk] = {}
@@ -416,21 +415,18 @@ class DeepSpeedStrategy:
             key = f"zero.param.{index_of[id(t)]}" if id(t) in index_of else f"model.{name}"
             full[name] = dest[key].tensor.reshape(t.shape) if key.startswith("zero.") else dest[key].tensor
         self.load_full_model_state_dict(full)  # the working weights, and each rank's fp32 slice (no communication)
-        base = self._base_optimizer()
-        for base_group, saved_group in zip(base.param_groups, zero["param_groups"]):
-            for key, value in saved_group.items():
-                if key in base_group:
-                    base_group[key] = tuple(value) if isinstance(value, list) else value
+        self._set_hyper_params(zero["param_groups"])
 
-    def _load_z3_slices(self, read, saved, zero: dict[str, Any]) -> None:
-        """ZeRO-3's ``load_sharded_state``: each rank reads only its partition of every trainable
-        parameter (master weight and optimizer state, from whichever saved slices overlap it)
-        straight into its live partition (no second copy, unless the optimizer is offloaded:
-        DeepSpeed's getters then return device copies, set back after the read); its working copy (``ds_tensor``,
-        possibly bf16) follows. Frozen parameters and buffers are read whole. As DeepSpeed's own
-        ZeRO-3 load does, every parameter is partitioned first (one kept whole under
-        ``stage3_param_persistence_threshold`` would not be gathered again from its new partition)
-        and the persistent ones are gathered at the end."""
+    def _load_z3_slices(self, read, saved, zero: dict[str, Any], keys: list[str]) -> None:
+        """ZeRO-3's ``load_sharded_state`` (``keys``: the optimizer state's, already made): each
+        rank reads only its partition of every trainable parameter (master weight and optimizer
+        state, from whichever saved slices overlap it) straight into its live partition (no second
+        copy, unless the optimizer is offloaded: DeepSpeed's getters then return device copies,
+        set back after the read); its working copy (``ds_tensor``, possibly bf16) follows. Frozen
+        parameters and buffers are read whole. As DeepSpeed's own ZeRO-3 load does, every
+        parameter is partitioned first (one kept whole under ``stage3_param_persistence_threshold``
+        would not be gathered again from its new partition) and the persistent ones are gathered
+        at the end."""
         from deepspeed.runtime.zero import GatheredParameters
         from deepspeed.utils import (
             safe_get_local_fp32_param,
@@ -442,12 +438,9 @@ class DeepSpeedStrategy:
         from elasticrl.train.shards import Chunk, ShardError
 
         self.engine.optimizer.checkpoint_event_prologue()
-        keys = sorted({name.split(".")[3] for name in saved if name.startswith("zero.optim.")})
-        if keys:
-            self._ensure_optimizer_state(keys, None if zero["step"] is None else torch.tensor(zero["step"], dtype=torch.float32))
         trainable = {id(p) for p in self._params if p.requires_grad}
         dest: dict[str, Chunk] = {}
-        local: dict[int, dict[str | None, torch.Tensor]] = {}
+        local: dict[int, tuple[int, dict[str | None, torch.Tensor]]] = {}  # index -> (elements held, views)
         for index, param in enumerate(self._params):
             if not param.requires_grad:
                 continue
@@ -455,10 +448,11 @@ class DeepSpeedStrategy:
                 raise ShardError(f"the snapshot has no zero.param.{index} (parameter {index} of {len(self._params)})")
             start, n, _ = self._z3_slice(param)
             # Views of the partition's state (copies only where the optimizer is offloaded: set below).
-            local[index] = {None: safe_get_local_fp32_param(param).detach(),
-                            **{key: safe_get_local_optimizer_state(param, key).detach() for key in keys}}
+            views = {None: safe_get_local_fp32_param(param).detach(),
+                     **{key: safe_get_local_optimizer_state(param, key).detach() for key in keys}}
+            local[index] = n, views
             if n:
-                for key, buf in local[index].items():
+                for key, buf in views.items():
                     name = f"zero.param.{index}" if key is None else f"zero.optim.{index}.{key}"
                     dest[name] = Chunk.flat(buf[:n], start, param.ds_numel)
         named = self._named_tensors()
@@ -469,14 +463,12 @@ class DeepSpeedStrategy:
                 dest.setdefault(f"model.{name}", Chunk.whole(torch.empty(saved[f"model.{name}"][0], dtype=saved[f"model.{name}"][1])))
         read(dest)
         with torch.no_grad():
-            for index, param in enumerate(self._params):
-                if index not in local:
-                    continue
-                _, n, _ = self._z3_slice(param)
-                safe_set_local_fp32_param(param, local[index][None])
+            for index, (n, views) in local.items():
+                param = self._params[index]
+                safe_set_local_fp32_param(param, views[None])
                 for key in keys:
-                    safe_set_local_optimizer_state(param, local[index][key], key)
-                param.ds_tensor.data[:n].copy_(local[index][None][:n])  # the working partition (a view of ZeRO's flat group)
+                    safe_set_local_optimizer_state(param, views[key], key)
+                param.ds_tensor.data[:n].copy_(views[None][:n])  # the working partition (a view of ZeRO's flat group)
             for name, t in named.items():
                 if id(t) in trainable:
                     continue
@@ -489,11 +481,7 @@ class DeepSpeedStrategy:
         # Parameters kept whole on every rank (under stage3_param_persistence_threshold), partitioned
         # above, are gathered again from the partitions just written, as DeepSpeed's own load ends.
         self.engine.optimizer.checkpoint_event_epilogue()
-        base = self._base_optimizer()
-        for base_group, saved_group in zip(base.param_groups, zero["param_groups"]):
-            for key, value in saved_group.items():
-                if key in base_group:
-                    base_group[key] = tuple(value) if isinstance(value, list) else value
+        self._set_hyper_params(zero["param_groups"])
 
     def close(self) -> None:
         if dist.is_initialized():
