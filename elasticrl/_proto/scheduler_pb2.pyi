@@ -139,18 +139,28 @@ class SubmitIterationResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., num_tasks: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("run_id", "member", "slots", "weight", "combined_acks")
+    __slots__ = ("run_id", "member", "slots", "weight", "combined_acks", "running")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     COMBINED_ACKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     member: _coordinator_pb2.MemberRef
     slots: int
     weight: float
     combined_acks: bool
-    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ..., combined_acks: _Optional[bool] = ...) -> None: ...
+    running: _containers.RepeatedCompositeFieldContainer[TaskKeys]
+    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ..., combined_acks: _Optional[bool] = ..., running: _Optional[_Iterable[_Union[TaskKeys, _Mapping]]] = ...) -> None: ...
+
+class TaskKeys(_message.Message):
+    __slots__ = ("iteration", "task_ids")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, iteration: _Optional[int] = ..., task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
     __slots__ = ("groups", "batch_id")

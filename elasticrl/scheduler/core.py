@@ -223,8 +223,13 @@ class SchedulerCore(ResultBook, TaskReturns):
 
     # -- workers -----------------------------------------------------------------------------
 
-    def connect(self, run_id: str, member_id: str, incarnation: int, *, slots: int, weight: float) -> WorkerConn:
-        """Open a worker's stream. The member must be live with exactly this incarnation."""
+    def connect(
+        self, run_id: str, member_id: str, incarnation: int, *, slots: int, weight: float,
+        running: list[tuple[int, str]] = (),
+    ) -> WorkerConn:
+        """Open a worker's stream. The member must be live with exactly this incarnation.
+        ``running``: (iteration, task id) of the copies it still runs from an earlier stream
+        (``_claim``)."""
         self.coord.check_member(run_id, member_id, incarnation)
         conn = WorkerConn(run_id, Worker(member_id, incarnation, slots, weight, self.clock()))
         self.coord.stream_attached(run_id, member_id, incarnation)  # a broken stream evicts it soon
@@ -240,9 +245,46 @@ class SchedulerCore(ResultBook, TaskReturns):
         self.conns[run_id][member_id] = conn
         log.info("run %s: worker %s (incarnation %d) connected with %d slot(s), weight %g",
                  run_id, member_id, incarnation, slots, weight)
+        if running:
+            self._claim(conn, running)
         self._slots_freed(conn)  # only its slots are new: a full pass per connect was O(workers^2) to start a fleet
         self._dispatch(run_id, freed_only=True)
         return conn
+
+    def _claim(self, conn: WorkerConn, running: list[tuple[int, str]]) -> None:
+        """The copies a reconnecting worker still runs are its own again: held against its slots,
+        not handed out anew. A copy handed out anew could cross the worker's release of its old
+        one on the wire; the release would then free the new copy's slot while the worker ran it,
+        and the worker would run more tasks than its slots. A task handed to another worker
+        meanwhile, or whose result is being stored, keeps this copy too (the first result wins, the
+        other copies are cancelled then). Only a copy of a task that will not run again (done,
+        given up, its iteration sealed or unknown) is cancelled: a cancel is a request, the engine
+        may finish the copy anyway, and a task that came back to this worker meanwhile would run
+        on it twice."""
+        worker, now = conn.worker, self.clock()
+        its = self.iterations.get(conn.run_id, {})
+        cancels: dict[int, list[str]] = collections.defaultdict(list)
+        touched: dict[int, tuple[Iteration, set[str]]] = {}
+        held = 0
+        for iteration, task_id in running:
+            if (iteration, task_id) in worker.holding:  # moved with its stream, which was still open here
+                continue
+            it = its.get(iteration)
+            task = it.tasks.get(task_id) if it is not None and not it.sealed else None
+            if task is None or task.status not in (TaskStatus.QUEUED, TaskStatus.RUNNING):
+                cancels[iteration].append(task_id)
+                continue
+            if task.status is TaskStatus.QUEUED:
+                self._unqueue(it, task_id, worker.member_id, anywhere=True)
+            self._assign(it, task, worker, now, backup=False, queued=False)
+            held += 1
+            touched.setdefault(iteration, (it, set()))[1].add(worker.member_id)
+        self._assigned(conn.run_id, touched)
+        for iteration, task_ids in cancels.items():
+            conn.send(Cancel(iteration, task_ids))
+        if held or cancels:
+            log.info("run %s: worker %s still runs %d task(s): %d held for it again, %d cancelled",
+                     conn.run_id, worker.member_id, len(running), held, sum(map(len, cancels.values())))
 
     def disconnect(self, conn: WorkerConn, reason: str, *, abrupt: bool = True) -> None:
         """The stream ended: ``abrupt`` when it broke rather than being closed by the worker."""
@@ -375,12 +417,7 @@ class SchedulerCore(ResultBook, TaskReturns):
                         touched.setdefault(it.iteration, (it, set()))[1].add(conn.worker.member_id)
                         progress = True
                         break
-        for iteration, (it, members) in touched.items():  # the counts reach SQLite at the next tick (save_counters)
-            unsaved = self._unsaved.get((run_id, iteration))
-            if unsaved is not None and unsaved[0] is it:
-                unsaved[1].update(members)
-            else:
-                self._unsaved[(run_id, iteration)] = (it, members)
+        self._assigned(run_id, touched)
         for conn in conns:
             items = batches.get(id(conn))
             if items:
@@ -388,18 +425,37 @@ class SchedulerCore(ResultBook, TaskReturns):
         if any(not it.queue for it in backups_next):
             self._dispatch(run_id)
 
-    def _assign(self, it: Iteration, task: Task, worker: Worker, now: float, backup: bool):
+    def _assigned(self, run_id: str, touched: dict[int, tuple[Iteration, set[str]]]) -> None:
+        """The counts of tasks handed out (iteration -> (it, the members given some)) reach SQLite
+        at the next tick (``save_counters``)."""
+        for iteration, (it, members) in touched.items():
+            unsaved = self._unsaved.get((run_id, iteration))
+            if unsaved is not None and unsaved[0] is it:
+                unsaved[1].update(members)
+            else:
+                self._unsaved[(run_id, iteration)] = (it, members)
+
+    @staticmethod
+    def _unqueue(it: Iteration, task_id: str, member_id: str, *, anywhere: bool = False) -> None:
+        """Take queued ``task_id`` out of ``member_id``'s share or the shared queue (``anywhere``:
+        or another worker's share)."""
+        others = [s for m, s in it.shares.items() if m != member_id] if anywhere else []
+        for source in (it.shares.get(member_id), it.queue, *others):
+            if source and task_id in source:
+                if source[0] == task_id:
+                    source.popleft()
+                else:
+                    source.remove(task_id)
+                return
+
+    def _assign(self, it: Iteration, task: Task, worker: Worker, now: float, backup: bool, *, queued: bool = True):
+        """Give ``worker`` a copy of ``task`` (taken out of the queue first unless ``queued`` is
+        False, i.e. it was) and return what its ``Assign`` says."""
         task_id = task.spec.task_id
-        if not backup:
-            for source in (it.shares.get(worker.member_id), it.queue):
-                if source and task_id in source:
-                    if source[0] == task_id:
-                        source.popleft()
-                    else:
-                        source.remove(task_id)
-                    break
-        else:
+        if backup:
             it.counters.backups_issued += 1
+        elif queued:
+            self._unqueue(it, task_id, worker.member_id)
         task.status = TaskStatus.RUNNING
         lease = it.config.task_lease_s
         task.holders[worker.member_id] = Holder(worker.member_id, worker.incarnation, now, now + lease, backup)

@@ -4,7 +4,10 @@ cached message, ``convert.task_wire``), with no protobuf object built per messag
 
 A worker whose hello set ``combined_acks`` gets the acks and assignments that are waiting in its
 outbox when the writer comes round as one message (``WorkResponse.acks`` beside ``assign``)
-instead of one each. Every message costs gRPC's send path on the coordinator and its receive path
+instead of one each. The worker reads a message's acks first, so an ack is never merged past an
+assignment of a task of the batch it answers: handed out again on a reconnect before the re-sent
+batch with its result was read, the worker would skip it while the batch is unacknowledged, but
+run it a second time once the ack came first. Every message costs gRPC's send path on the coordinator and its receive path
 on the worker; a trajectory stream's batch otherwise costs an assignment (its freed slots) and an
 ack. Nothing waits for company: the writer takes what is there (for such a worker a batch stored
 on arrival commits before the writer runs, so its ack and the tasks it freed slots for leave
@@ -54,7 +57,8 @@ class Writer:
             if outbox.empty():
                 break
             item = outbox.get_nowait()
-            if not isinstance(item, (Ack, Assign)):
+            if not isinstance(item, (Ack, Assign)) or (
+                    isinstance(item, Ack) and tasks and item.tasks and not item.tasks.isdisjoint((i, s.task_id) for i, s, _, _ in tasks)):
                 self._held = item
                 break
         return combined(tasks, acks)

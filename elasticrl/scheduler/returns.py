@@ -36,7 +36,7 @@ class TaskReturns:
                 conn.run_id, conn.worker.member_id, len(task_ids), iteration,
             )
             return
-        given_up = []
+        given_up, back = [], []
         with self.db.tx():
             if failed and not it.sealed:
                 it.counters.env_errors += env_errors
@@ -56,7 +56,9 @@ class TaskReturns:
                         if task.failures >= it.config.max_task_failures:
                             given_up.append(task)
                             continue
-                    self._requeue(it, task, conn.worker.member_id, f"released: {reason}")
+                    back.append(task)
+            for task in sorted(back, key=lambda t: t.seq, reverse=True):  # each to the front: they keep their order
+                self._requeue(it, task, conn.worker.member_id, f"released: {reason}")
             self.db.put_counters(it)
         for task in given_up:
             task.status = TaskStatus.FAILED

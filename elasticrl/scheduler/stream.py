@@ -33,6 +33,9 @@ class Ack:
     accepted: int
     refused: list[tuple[int, str, str]]
     """(iteration, task id, reason)."""
+    tasks: frozenset[tuple[int, str]] = frozenset()
+    """(iteration, task id) of the batch it answers: a merged message never puts it ahead of an
+    assignment of one of them (``outbox.Writer``)."""
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -301,6 +302,9 @@ class RolloutWorker:
         outbox: asyncio.Queue = asyncio.Queue()
         hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight, combined_acks=True)
         hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
+        for iteration, keys in itertools.groupby(sorted(self._running), key=lambda key: key[0]):
+            # Still running from the stream before: held for this worker again, not handed out anew.
+            hello.running.add(iteration=iteration, task_ids=[task_id for _, task_id in keys])
         outbox.put_nowait(spb.WorkRequest(hello=hello))
         work = self._client._channel.stream_stream(
             WORK_METHOD, request_serializer=_request_bytes, response_deserializer=spb.WorkResponse.FromString,

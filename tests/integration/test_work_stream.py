@@ -1,5 +1,6 @@
 """A raw Work stream against a real coordinator subprocess: what a worker sends that the
-coordinator cannot act on fails alone and never ends the stream."""
+coordinator cannot act on fails alone and never ends the stream, and a reopened stream's hello
+gets back the tasks the worker still runs."""
 
 from __future__ import annotations
 
@@ -55,6 +56,57 @@ def test_release_of_an_unknown_iteration_is_ignored_and_the_stream_goes_on(coord
     log = coordinator.log()
     assert "iteration 999, which this coordinator does not hold; ignored" in log, log[-2000:]
     assert "work stream of w0 failed" not in log
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        status = client.iteration_status(run, 1)
+    assert status["tasks_done"] == 1, status
+
+
+def test_a_reopened_stream_holds_the_tasks_its_hello_says_still_run_and_refuses_an_overlong_list(coordinator):
+    """A worker whose stream broke still runs what the old one handed it; its new hello names
+    those tasks, and the coordinator, which queued them again when the old stream ended, holds
+    them for it instead of handing them out anew. A list longer than any engine's slots is
+    refused, naming the field."""
+    import grpc
+
+    run = "work-running"
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        client.submit_iteration(run, 1, [TaskSpec(task_id=f"t{i}", prompt_ids=[1, 2], num_samples=1) for i in range(3)])
+
+    async def scenario():
+        async with AsyncCoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=5) as c:
+            joined = await c.join(run, "w0", lease_ttl_s=60)
+            stub = spb_grpc.SchedulerStub(c._channel)
+            hello = spb.WorkerHello(run_id=run, member=wire.member_ref("w0", joined.incarnation), slots=1)
+            call = stub.Work()
+            await call.write(spb.WorkRequest(hello=hello))
+            first = await asyncio.wait_for(call.read(), 10)
+            task_id = first.assign.tasks[0].task.task_id
+            call.cancel()  # the stream breaks; the engine goes on with task_id
+            deadline = asyncio.get_running_loop().time() + 10
+            while "worker w0 disconnected" not in coordinator.log():  # task_id is queued again
+                assert asyncio.get_running_loop().time() < deadline, coordinator.log()[-2000:]
+                await asyncio.sleep(0.02)
+            hello.running.add(iteration=1, task_ids=[task_id])
+            call = stub.Work()
+            await call.write(spb.WorkRequest(hello=hello))
+            await call.write(_result(1, task_id))
+            messages = []
+            while not ({"assign", "ack"} <= {m.WhichOneof("kind") for m in messages}):  # the ack, and the slot it freed
+                messages.append(await asyncio.wait_for(call.read(), 10))
+            handed = [t.task.task_id for m in messages for t in m.assign.tasks]
+            acks = [m.ack.accepted for m in messages if m.WhichOneof("kind") == "ack"]
+            assert task_id not in handed and len(handed) == 1 and acks == [1], messages
+            call.cancel()
+            too_many = spb.WorkerHello(run_id=run, member=wire.member_ref("w0", joined.incarnation), slots=1)
+            too_many.running.add(iteration=1, task_ids=[f"x{i}" for i in range(5000)])
+            call = stub.Work()
+            await call.write(spb.WorkRequest(hello=too_many))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(call.read(), 10)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "hello.running" in err.value.details()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert "still runs 1 task(s): 1 held for it again, 0 cancelled" in coordinator.log()
     with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
         status = client.iteration_status(run, 1)
     assert status["tasks_done"] == 1, status

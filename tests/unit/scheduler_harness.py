@@ -53,11 +53,11 @@ class Harness:
         self.incarnations[member_id] = member.incarnation
         return member.incarnation
 
-    def worker(self, member_id: str, *, slots: int = 1, weight: float = 1.0) -> WorkerConn:
-        """Join (if not a member yet) and open a stream."""
+    def worker(self, member_id: str, *, slots: int = 1, weight: float = 1.0, running=()) -> WorkerConn:
+        """Join (if not a member yet) and open a stream (``running``: the hello's)."""
         if member_id not in self.incarnations:
             self.join(member_id)
-        return self.sched.connect(RUN, member_id, self.incarnations[member_id], slots=slots, weight=weight)
+        return self.sched.connect(RUN, member_id, self.incarnations[member_id], slots=slots, weight=weight, running=running)
 
     def advance(self, seconds: float, *, alive: tuple[str, ...] = (), step: float = 5.0) -> None:
         """Move the clock in ``step``s, renewing ``alive`` members' leases, ticking both cores."""

@@ -1,7 +1,8 @@
 """The Work stream's messages (``scheduler/outbox.py``): each outbox item encoded by hand reads
 back as the message protobuf would have built (a task spec from its message cached once,
 ``convert.task_wire``); for a worker that said ``combined_acks``, the acks and assignments waiting
-together go as one message, and a cancel or an end is never merged or overtaken."""
+together go as one message (never an ack ahead of an assignment of its batch's tasks), and a
+cancel or an end is never merged or overtaken."""
 
 from __future__ import annotations
 
@@ -83,6 +84,17 @@ def test_a_combined_acks_worker_gets_waiting_acks_and_assignments_in_one_message
     assert parsed(cancel).WhichOneof("kind") == "cancel"  # not merged, and c waits behind it
     assert [t[1].task_id for t in tasks_of(parsed(last))] == ["c"]
     assert isinstance(end, End)
+
+
+def test_an_ack_is_not_merged_ahead_of_an_assignment_of_a_task_of_its_batch():
+    # A reconnect: the hello's dispatch handed task a out again before the re-sent batch with a's
+    # result was read. The worker reads acks first; with that ack first it would run a again.
+    a, b, c = spec("a", 3), spec("b", 3), spec("c", 3)
+    items = [Assign([(1, a, 1.0, False), (1, c, 1.0, False)]), Ack(1, [], frozenset({(1, "a"), (1, "z")})),
+             Assign([(1, b, 1.0, False)]), Ack(1, [], frozenset({(2, "b")}))]
+    first, second = (parsed(m) for m in written(conn_with(items, combined=True), 2))
+    assert [t[1].task_id for t in tasks_of(first)] == ["a", "c"] and len(first.acks) == 0
+    assert [k.accepted for k in second.acks] == [1, 1] and [t[1].task_id for t in tasks_of(second)] == ["b"]
 
 
 def test_a_worker_that_did_not_ask_gets_one_message_per_item():

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from elasticrl.errors import FencedError, InvalidRequestError, NotFoundError, NotReadyError, RunClosedError
-from elasticrl.scheduler.core import FENCED_STREAM_GRACE_S, REDISPATCH_S, End
+from elasticrl.scheduler.core import FENCED_STREAM_GRACE_S, REDISPATCH_S, Cancel, End
 from elasticrl.scheduler.state import RELEASE_STOPPING, IterationConfig, Policy, Split, TaskSpec, TaskStatus
 from elasticrl.scheduler.store import MANIFEST
 
@@ -260,6 +260,68 @@ def test_reconnect_of_the_same_incarnation_keeps_its_tasks():
     it = h.it()
     assert it.counters.requeued == 0 and it.tasks["t00"].status is TaskStatus.RUNNING
     assert accept(h, a2, "t00")[0].accepted == 1
+
+
+def test_a_reconnecting_worker_holds_the_tasks_it_still_runs_instead_of_being_handed_them_anew():
+    # Its old stream closed here first, so its copies were queued again. Handed out anew on the
+    # new stream, each new copy could cross the worker's release of its old one (an engine that
+    # crashed meanwhile), and the release would free the new copy's slot while the worker ran it:
+    # 4 tasks on 3 slots (seed 6 of test_worker_random). Now the hello says what still runs.
+    for claims in (False, True):
+        h = Harness()
+        a = h.worker("a", slots=3)
+        h.sched.submit(RUN, 1, specs(5), IterationConfig())
+        assert assigned(drain(a)) == ids(0, 1, 2)
+        h.sched.disconnect(a, "stream broke")
+        running = [(1, t) for t in ids(0, 1, 2)] if claims else ()
+        a2 = h.worker("a", slots=3, running=running)
+        it = h.it()
+        if not claims:  # before: handed out anew
+            assert assigned(drain(a2)) == ids(0, 1, 2)
+            continue
+        assert drain(a2) == [] and a2.worker.holding == {(1, t) for t in ids(0, 1, 2)}
+        assert [it.tasks[t].status for t in ids(0, 1, 2)] == [TaskStatus.RUNNING] * 3 and list(it.queue) == ids(3, 4)
+        assert set(it.tasks["t00"].holders) == {"a"} and it.nodes["a"].assigned == 6
+        h.sched.release(a2, 1, ids(0, 1), "engine error")  # the old copies' release frees exactly those
+        assert a2.worker.holding == {(1, "t02")} and list(it.queue) == ids(0, 1, 3, 4)
+        assert accept(h, a2, "t02")[0].accepted == 1  # a held copy's result is its own
+        assert len(a2.worker.holding) <= 3
+
+
+def test_a_reconnecting_worker_keeps_a_copy_handed_out_meanwhile_and_drops_those_that_will_not_run_again():
+    # A cancel only asks: the engine may finish the copy. So only a copy of a task that never
+    # runs again is cancelled; one handed to another worker meanwhile stays a second copy here
+    # (cancelled, it could come back to this worker while the engine still ran it: twice).
+    h = Harness()
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(5), IterationConfig())
+    drain(a)
+    h.sched.disconnect(a, "stream broke")  # t00, t01 queued again
+    b = h.worker("b")
+    assert assigned(drain(b)) == ids(0)
+    accept(h, b, "t00")  # done; b takes t01
+    assert assigned(drain(b)) == ids(1)
+    running = [(1, "t00"), (1, "t01"), (1, "t02"), (1, "t09"), (7, "t00")]  # done, b's, queued, unknown, no iteration
+    a2 = h.worker("a", slots=2, running=running)
+    messages = drain(a2)
+    assert [(m.iteration, m.task_ids) for m in messages if isinstance(m, Cancel)] == [(1, ids(0, 9)), (7, ids(0))]
+    assert assigned(messages) == []  # both slots held
+    it = h.it()
+    assert a2.worker.holding == {(1, "t01"), (1, "t02")} and set(it.tasks["t01"].holders) == {"a", "b"}
+    assert it.tasks["t02"].status is TaskStatus.RUNNING and list(it.queue) == ids(3, 4)
+    accept(h, b, "t01")  # the first result wins; a's copy is cancelled and its slot filled
+    messages = drain(a2)
+    assert cancelled(messages) == ids(1) and assigned(drain(b)) == ids(3) and assigned(messages) == ids(4)
+
+
+def test_a_reconnect_whose_old_stream_is_still_open_moves_its_copies_once():
+    h = Harness()
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    drain(a)
+    a2 = h.worker("a", slots=2, running=[(1, "t00"), (1, "t01")])
+    assert [m for m in drain(a2) if not isinstance(m, End)] == [] and a2.worker.holding == {(1, "t00"), (1, "t01")}
+    assert h.it().nodes["a"].assigned == 2
 
 
 @pytest.mark.parametrize("winner", ["first_holder", "second_holder"])
