@@ -139,20 +139,22 @@ class SubmitIterationResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., num_tasks: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("run_id", "member", "slots", "weight", "combined_acks", "running")
+    __slots__ = ("run_id", "member", "slots", "weight", "combined_acks", "running", "reports_running")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     COMBINED_ACKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     member: _coordinator_pb2.MemberRef
     slots: int
     weight: float
     combined_acks: bool
     running: _containers.RepeatedCompositeFieldContainer[TaskKeys]
-    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ..., combined_acks: _Optional[bool] = ..., running: _Optional[_Iterable[_Union[TaskKeys, _Mapping]]] = ...) -> None: ...
+    reports_running: bool
+    def __init__(self, run_id: _Optional[str] = ..., member: _Optional[_Union[_coordinator_pb2.MemberRef, _Mapping]] = ..., slots: _Optional[int] = ..., weight: _Optional[float] = ..., combined_acks: _Optional[bool] = ..., running: _Optional[_Iterable[_Union[TaskKeys, _Mapping]]] = ..., reports_running: _Optional[bool] = ...) -> None: ...
 
 class TaskKeys(_message.Message):
     __slots__ = ("iteration", "task_ids")

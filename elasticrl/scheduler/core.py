@@ -225,11 +225,11 @@ class SchedulerCore(ResultBook, TaskReturns):
 
     def connect(
         self, run_id: str, member_id: str, incarnation: int, *, slots: int, weight: float,
-        running: list[tuple[int, str]] = (),
+        running: list[tuple[int, str]] | None = None,
     ) -> WorkerConn:
         """Open a worker's stream. The member must be live with exactly this incarnation.
-        ``running``: (iteration, task id) of the copies it still runs from an earlier stream
-        (``_claim``)."""
+        ``running``: (iteration, task id) of every copy it still runs from an earlier stream
+        (``_claim``); None from a worker that does not say."""
         self.coord.check_member(run_id, member_id, incarnation)
         conn = WorkerConn(run_id, Worker(member_id, incarnation, slots, weight, self.clock()))
         self.coord.stream_attached(run_id, member_id, incarnation)  # a broken stream evicts it soon
@@ -245,7 +245,7 @@ class SchedulerCore(ResultBook, TaskReturns):
         self.conns[run_id][member_id] = conn
         log.info("run %s: worker %s (incarnation %d) connected with %d slot(s), weight %g",
                  run_id, member_id, incarnation, slots, weight)
-        if running:
+        if running is not None:
             self._claim(conn, running)
         self._slots_freed(conn)  # only its slots are new: a full pass per connect was O(workers^2) to start a fleet
         self._dispatch(run_id, freed_only=True)
@@ -260,19 +260,34 @@ class SchedulerCore(ResultBook, TaskReturns):
         other copies are cancelled then). Only a copy of a task that will not run again (done,
         given up, its iteration sealed or unknown) is cancelled: a cancel is a request, the engine
         may finish the copy anyway, and a task that came back to this worker meanwhile would run
-        on it twice."""
+        on it twice.
+
+        Copies moved here from its old stream (still open on this side) that ``running`` does not
+        name are queued again: their assignment or their release was lost with the old stream (a
+        result of one still on its way is taken all the same). Claims stop at the worker's slots:
+        past them a copy is left where it is (a worker that says it runs more than its slots is
+        wrong, and must not take tasks from the others' queues)."""
         worker, now = conn.worker, self.clock()
         its = self.iterations.get(conn.run_id, {})
+        named = set(running)
+        if lost := worker.holding - named:
+            worker.holding -= lost
+            n = self._requeue_keys(conn.run_id, worker.member_id, lost, "not running after a reconnect")
+            log.info("run %s: worker %s no longer runs %d task(s) of its old stream; %d requeued",
+                     conn.run_id, worker.member_id, len(lost), n)
         cancels: dict[int, list[str]] = collections.defaultdict(list)
         touched: dict[int, tuple[Iteration, set[str]]] = {}
-        held = 0
-        for iteration, task_id in running:
+        held = over = 0
+        for iteration, task_id in sorted(named):
             if (iteration, task_id) in worker.holding:  # moved with its stream, which was still open here
                 continue
             it = its.get(iteration)
             task = it.tasks.get(task_id) if it is not None and not it.sealed else None
             if task is None or task.status not in (TaskStatus.QUEUED, TaskStatus.RUNNING):
                 cancels[iteration].append(task_id)
+                continue
+            if len(worker.holding) >= worker.slots:
+                over += 1
                 continue
             if task.status is TaskStatus.QUEUED:
                 self._unqueue(it, task_id, worker.member_id, anywhere=True)
@@ -284,7 +299,10 @@ class SchedulerCore(ResultBook, TaskReturns):
             conn.send(Cancel(iteration, task_ids))
         if held or cancels:
             log.info("run %s: worker %s still runs %d task(s): %d held for it again, %d cancelled",
-                     conn.run_id, worker.member_id, len(running), held, sum(map(len, cancels.values())))
+                     conn.run_id, worker.member_id, len(named), held, sum(map(len, cancels.values())))
+        if over:
+            log.warning("run %s: worker %s says it runs %d task(s) on %d slot(s); %d of them left to the queue",
+                        conn.run_id, worker.member_id, len(named), worker.slots, over)
 
     def disconnect(self, conn: WorkerConn, reason: str, *, abrupt: bool = True) -> None:
         """The stream ended: ``abrupt`` when it broke rather than being closed by the worker."""
@@ -324,19 +342,24 @@ class SchedulerCore(ResultBook, TaskReturns):
         self._dispatch(run_id)
 
     def _requeue_holdings(self, conn: WorkerConn, why: str) -> int:
+        keys, conn.worker.holding = conn.worker.holding, set()
+        return self._requeue_keys(conn.run_id, conn.worker.member_id, keys, why)
+
+    def _requeue_keys(self, run_id: str, member_id: str, keys, why: str) -> int:
+        """Drop ``member_id``'s copies of ``keys`` (iteration, task id); those left with none go to
+        the front of their queue, in their order. Returns how many."""
         n = 0
         by_iteration: dict[int, list[str]] = collections.defaultdict(list)
-        for iteration, task_id in sorted(conn.worker.holding):
+        for iteration, task_id in sorted(keys):
             by_iteration[iteration].append(task_id)
-        conn.worker.holding = set()
         for iteration, task_ids in by_iteration.items():
-            it = self.iterations.get(conn.run_id, {}).get(iteration)
+            it = self.iterations.get(run_id, {}).get(iteration)
             if it is None or it.sealed:
                 continue
             task_ids.sort(key=lambda tid: it.tasks[tid].seq)
             with self.db.tx():
                 for task_id in reversed(task_ids):  # appendleft: keep their order at the front
-                    n += self._requeue(it, it.tasks[task_id], conn.worker.member_id, why)
+                    n += self._requeue(it, it.tasks[task_id], member_id, why)
                 self.db.put_counters(it)
             # No cancel to a fenced worker: what it finishes is still sent, then refused and
             # counted (and it learns it is fenced from its keep-alive or the stream's end).

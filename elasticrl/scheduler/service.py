@@ -283,9 +283,9 @@ class SchedulerServicer(spb_grpc.SchedulerServicer):
         if not 1 <= h.slots <= MAX_SLOTS:
             raise InvalidRequestError(f"hello.slots: {h.slots} must be in 1..{MAX_SLOTS} (tasks the engine runs at once)")
         weight = v.weight("hello.weight", h.weight)
-        running = [(keys.iteration, task_id) for keys in h.running for task_id in keys.task_ids]
-        if len(running) > MAX_SLOTS:
-            raise InvalidRequestError(f"hello.running: {len(running)} tasks; at most {MAX_SLOTS} (those the engine still runs)")
+        if (n := sum(len(keys.task_ids) for keys in h.running)) > MAX_SLOTS:
+            raise InvalidRequestError(f"hello.running: {n} tasks; at most {MAX_SLOTS} (those the engine still runs)")
+        running = [(keys.iteration, task_id) for keys in h.running for task_id in keys.task_ids] if h.reports_running else None
         conn = self.core.connect(run_id, member_id, incarnation, slots=h.slots, weight=weight, running=running)
         conn.combined_acks = h.combined_acks
         return conn

@@ -170,6 +170,9 @@ class RolloutWorker:
         self.unacked: collections.deque[bytes] = collections.deque()
         self._unacked_keys: collections.deque[list[tuple[int, str]]] = collections.deque()
         self._outbox: asyncio.Queue | None = None
+        # Releases made while no stream was up (``_send``): those of tasks the next hello names in
+        # ``running`` go on that stream after the hello, since the coordinator holds them for us again.
+        self._unsent: list[spb.WorkRequest] = []
         self._stopping = False
         self._leaving = False  # a clean stop's leave is on its way: the stream's end says nothing
         self._acked = asyncio.Event()
@@ -235,6 +238,7 @@ class RolloutWorker:
         for (iteration, task_id), a in self._running.items():
             a.cancelled.set()
             give_back[iteration].append(task_id)
+        self._running.clear()  # given back: a hello of a stream reopened meanwhile must not name them
         for iteration, task_ids in give_back.items():
             self._send(spb.WorkRequest(release=spb.ReleaseTasks(iteration=iteration, task_ids=task_ids, reason=RELEASE_STOPPING)))
         self._flush()
@@ -300,11 +304,14 @@ class RolloutWorker:
         stream ends. Returns (whether it was up, why it ended) if a new stream may help; raises
         the mapped error (``FencedError``...) if not."""
         outbox: asyncio.Queue = asyncio.Queue()
-        hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight, combined_acks=True)
+        hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight, combined_acks=True,
+                                reports_running=True)
         hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
-        for iteration, keys in itertools.groupby(sorted(self._running), key=lambda key: key[0]):
+        named = set(self._running)
+        for iteration, keys in itertools.groupby(sorted(named), key=lambda key: key[0]):
             # Still running from the stream before: held for this worker again, not handed out anew.
             hello.running.add(iteration=iteration, task_ids=[task_id for _, task_id in keys])
+        self._unsent = []  # of tasks this hello does not name: queued again by the coordinator
         outbox.put_nowait(spb.WorkRequest(hello=hello))
         work = self._client._channel.stream_stream(
             WORK_METHOD, request_serializer=_request_bytes, response_deserializer=spb.WorkResponse.FromString,
@@ -323,6 +330,9 @@ class RolloutWorker:
                 self._outbox = outbox
                 for request in self.unacked:  # the coordinator may not have stored them
                     outbox.put_nowait(request)
+                for request in self._unsent:  # given back while this stream opened: its hello named them
+                    outbox.put_nowait(request)
+                self._unsent = []
                 features = dict(await call.initial_metadata() or ()).get(WORK_FEATURES[0], "")
                 if WORK_FEATURES[1] in features.split(","):  # an older coordinator ends the stream on a renewal
                     renewer = asyncio.create_task(self._renew_leases(), name=f"renew-{self.member_id}")
@@ -415,8 +425,9 @@ class RolloutWorker:
                 continue
             if self._has((a.iteration, spec.task_id)):
                 # Handed out again on a new stream: the coordinator dispatched it on the hello,
-                # before it read the re-sent batch with its result, or while this copy still runs.
-                # The copy here answers it; a second run went past the slots and was refused.
+                # before it read the re-sent batch with its result, or (an older coordinator, which
+                # does not read the hello's running) while this copy still runs. The copy here
+                # answers it; a second run went past the slots and was refused.
                 continue
             assignment = Assignment(a.iteration, spec, a.lease_ms / 1000, a.backup, on_progress=self._progressed)
             self._running[(a.iteration, spec.task_id)] = assignment
@@ -498,6 +509,10 @@ class RolloutWorker:
             self._outbox.put_nowait(request)
 
     def _send(self, request: spb.WorkRequest) -> None:
-        """A release: best effort (if no stream is up, the coordinator requeues on its own)."""
+        """A release or a renewal. With no stream up a renewal is dropped, and a release waits for
+        the next stream: sent there if its hello names the tasks (the coordinator holds them for
+        this worker again), else dropped (the coordinator queues them again on its own)."""
         if self._outbox is not None:
             self._outbox.put_nowait(request)
+        elif request.WhichOneof("kind") == "release":
+            self._unsent.append(request)

@@ -87,6 +87,7 @@ def test_a_reopened_stream_holds_the_tasks_its_hello_says_still_run_and_refuses_
                 assert asyncio.get_running_loop().time() < deadline, coordinator.log()[-2000:]
                 await asyncio.sleep(0.02)
             hello.running.add(iteration=1, task_ids=[task_id])
+            hello.reports_running = True
             call = stub.Work()
             await call.write(spb.WorkRequest(hello=hello))
             await call.write(_result(1, task_id))

@@ -53,8 +53,9 @@ class Harness:
         self.incarnations[member_id] = member.incarnation
         return member.incarnation
 
-    def worker(self, member_id: str, *, slots: int = 1, weight: float = 1.0, running=()) -> WorkerConn:
-        """Join (if not a member yet) and open a stream (``running``: the hello's)."""
+    def worker(self, member_id: str, *, slots: int = 1, weight: float = 1.0, running=None) -> WorkerConn:
+        """Join (if not a member yet) and open a stream (``running``: the hello's, None from a
+        worker that does not report it)."""
         if member_id not in self.incarnations:
             self.join(member_id)
         return self.sched.connect(RUN, member_id, self.incarnations[member_id], slots=slots, weight=weight, running=running)

@@ -324,6 +324,44 @@ def test_a_reconnect_whose_old_stream_is_still_open_moves_its_copies_once():
     assert h.it().nodes["a"].assigned == 2
 
 
+def test_copies_moved_with_a_still_open_stream_that_the_hello_does_not_name_are_queued_again():
+    # Their assignment (or their release) was lost with the old stream: held, they would take a
+    # slot and stall the task until its lease ran out.
+    h = Harness()
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(3), IterationConfig(task_lease_s=60))
+    assert assigned(drain(a)) == ids(0, 1)  # the worker read only t00's
+    a2 = h.worker("a", slots=2, running=[(1, "t00")])
+    it = h.it()
+    assert it.counters.requeued == 1 and it.tasks["t01"].requeues == 1
+    assert assigned(drain(a2)) == ids(1)  # at the front of the queue, and a2 has a free slot: handed out anew
+    assert a2.worker.holding == {(1, "t00"), (1, "t01")} and list(it.queue) == ids(2)
+
+
+def test_a_hello_claims_no_more_than_its_slots():
+    h = Harness()
+    b, c = h.worker("b"), h.worker("c")
+    h.sched.submit(RUN, 1, specs(6), IterationConfig(policy=Policy.STATIC))
+    drain(b), drain(c)
+    a = h.worker("a", slots=1, running=[(1, "t01"), (1, "t02"), (1, "t04")])
+    assert len(a.worker.holding) == 1 and drain(a) == []  # the others left where they were
+
+
+def test_a_restarted_coordinator_holds_a_reconnecting_workers_copies_again(tmp_path):
+    h = Harness(state_dir=tmp_path)
+    a = h.worker("a", slots=2)
+    h.sched.submit(RUN, 1, specs(3), IterationConfig())
+    assert assigned(drain(a)) == ids(0, 1)
+    h.coord.db.close()
+    h2 = Harness(state_dir=tmp_path, clock=h.clock)  # tasks not done are queued again
+    h2.incarnations = dict(h.incarnations)
+    it = h2.it()
+    assert list(it.queue) == ids(0, 1, 2)
+    a2 = h2.worker("a", slots=2, running=[(1, "t01"), (1, "t01")])  # named twice: held once
+    assert a2.worker.holding == {(1, "t00"), (1, "t01")} and assigned(drain(a2)) == ids(0)
+    assert list(it.queue) == ids(2) and it.count(TaskStatus.RUNNING) == 2
+
+
 @pytest.mark.parametrize("winner", ["first_holder", "second_holder"])
 def test_task_lease_expiry_requeues_and_the_first_finisher_wins(winner):
     h = Harness()
