@@ -20,10 +20,13 @@ RELEASE_STOPPING = "worker stopping"
 """The reason a worker gives when it releases tasks because it is stopping: the scheduler hands
 it nothing more (it would only give it back)."""
 MAX_ERRORS = 5
-WORK_FEATURES = ("elasticrl-work-features", "renew")
+WORK_FEATURES = ("elasticrl-work-features", "renew,running")
 """The Work stream's initial metadata: what this coordinator reads beyond hello, results and
 releases. A worker sends ``RenewTasks`` only to a coordinator that names ``renew`` (an older one
-ends the stream on a message it does not know)."""
+ends the stream on a message it does not know), and the releases it made while the stream opened
+only to one that names ``running`` (it holds the tasks the hello names for the worker; an older
+one queued them again and may have handed them out anew on this stream, whose slots such a
+release would free)."""
 
 
 class Policy(str, enum.Enum):

@@ -330,11 +330,12 @@ class RolloutWorker:
                 self._outbox = outbox
                 for request in self.unacked:  # the coordinator may not have stored them
                     outbox.put_nowait(request)
-                for request in self._unsent:  # given back while this stream opened: its hello named them
-                    outbox.put_nowait(request)
+                features = set(dict(await call.initial_metadata() or ()).get(WORK_FEATURES[0], "").split(","))
+                if "running" in features:  # it holds what the hello named: these free those slots
+                    for request in self._unsent:  # given back while this stream opened
+                        outbox.put_nowait(request)
                 self._unsent = []
-                features = dict(await call.initial_metadata() or ()).get(WORK_FEATURES[0], "")
-                if WORK_FEATURES[1] in features.split(","):  # an older coordinator ends the stream on a renewal
+                if "renew" in features:  # an older coordinator ends the stream on a renewal
                     renewer = asyncio.create_task(self._renew_leases(), name=f"renew-{self.member_id}")
             async for resp in call:
                 for ack in resp.acks:  # sent with an assignment (or several together), oldest first

@@ -12,7 +12,7 @@ import pytest
 
 from elasticrl._proto import scheduler_pb2 as spb
 from elasticrl.scheduler.convert import task_wire
-from elasticrl.scheduler.state import TaskFailure, TaskSpec
+from elasticrl.scheduler.state import WORK_FEATURES, TaskFailure, TaskSpec
 from elasticrl.scheduler.worker import RolloutWorker
 
 pytestmark = pytest.mark.timeout(30)
@@ -22,8 +22,8 @@ class FakeCall:
     """A Work call that records what the worker sends; it is up once ``opened`` is set (its
     initial metadata waits for it, as a reconnect waits a round trip or more) and ends on cancel."""
 
-    def __init__(self, requests, opened: asyncio.Event, sent: list):
-        self.opened, self.sent, self.ended = opened, sent, asyncio.Event()
+    def __init__(self, requests, opened: asyncio.Event, sent: list, features: str):
+        self.opened, self.sent, self.ended, self.features = opened, sent, asyncio.Event(), features
         self.pump = asyncio.ensure_future(self._take(requests))
 
     async def _take(self, requests):
@@ -32,7 +32,7 @@ class FakeCall:
 
     async def initial_metadata(self):
         await self.opened.wait()
-        return ()
+        return ((WORK_FEATURES[0], self.features),)
 
     def done(self) -> bool:
         return False
@@ -52,10 +52,10 @@ class FakeClient:
     call_timeout_s = 5.0
     _metadata = ()
 
-    def __init__(self, opened: asyncio.Event, sent: list):
+    def __init__(self, opened: asyncio.Event, sent: list, features: str):
         class Channel:
             def stream_stream(self, *args, **kwargs):
-                return lambda requests, metadata=None: FakeCall(requests, opened, sent)
+                return lambda requests, metadata=None: FakeCall(requests, opened, sent, features)
 
         self._channel = Channel()
 
@@ -70,9 +70,10 @@ def named(hello: spb.WorkerHello) -> list[tuple[int, list[str]]]:
     return [(k.iteration, list(k.task_ids)) for k in hello.running]
 
 
-def worker_with(generate_batch, opened: asyncio.Event, sent: list) -> RolloutWorker:
+def worker_with(generate_batch, opened: asyncio.Event, sent: list, features: str = WORK_FEATURES[1]) -> RolloutWorker:
+    """``features``: what the coordinator says it reads (an older one: "renew", or nothing)."""
     w = RolloutWorker("unused:1", "r", "w0", None, generate_batch=generate_batch, slots=3)
-    w._client = FakeClient(opened, sent)
+    w._client = FakeClient(opened, sent, features)
     return w
 
 
@@ -96,9 +97,12 @@ def test_the_hello_names_what_runs_by_iteration_and_says_it_reports_them():
     assert hello.reports_running and named(hello) == [(1, ["a"]), (2, ["b", "c"])]
 
 
-def test_a_release_made_while_the_new_stream_opens_goes_on_it_after_the_hello():
+@pytest.mark.parametrize("features", [WORK_FEATURES[1], "renew"])
+def test_a_release_made_while_the_new_stream_opens_goes_on_it_after_the_hello(features):
     # The hello (naming t0) is built before the stream is up; the env fails t0 meanwhile. Dropped,
     # the release left t0 held for this worker, which no longer ran it, for a whole task lease.
+    # An older coordinator ("renew" only) ignores the hello's list: it queued t0 again and may have
+    # handed it out anew on this stream, whose slot the release would free, so it gets none.
     go = threading.Event()
 
     def generate_batch(batch):
@@ -107,7 +111,7 @@ def test_a_release_made_while_the_new_stream_opens_goes_on_it_after_the_hello():
 
     async def scenario():
         opened, sent = asyncio.Event(), []
-        w = worker_with(generate_batch, opened, sent)
+        w = worker_with(generate_batch, opened, sent, features)
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
             w._start(executor, [assignment("t0")])
             stream = asyncio.create_task(w._one_stream(executor))
@@ -116,14 +120,16 @@ def test_a_release_made_while_the_new_stream_opens_goes_on_it_after_the_hello():
             while w._running:
                 await asyncio.sleep(0.01)
             opened.set()
-            while len(sent) < 2:
-                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
             stream.cancel()
             await asyncio.gather(stream, return_exceptions=True)
         return sent
 
     sent = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert named(sent[0].hello) == [(1, ["t0"])]
+    if features == "renew":
+        assert [r.WhichOneof("kind") for r in sent] == ["hello"]
+        return
     assert [r.WhichOneof("kind") for r in sent] == ["hello", "release"] and list(sent[1].release.task_ids) == ["t0"]
     assert sent[1].release.failed
 
