@@ -85,6 +85,22 @@ def check(h: Harness, models: dict, ctx) -> None:
             ctx(f"{model.member}: runs {sorted(model.runs)} on {model.slots} slot(s), {sorted(uncounted)} not counted")
 
 
+def submit_some(h: Harness, rng: random.Random, iteration: int) -> None:
+    """Iteration ``iteration`` of 2-6 tasks: static or dynamic (with 0-2 backups), a short or long lease."""
+    policy = rng.choice([Policy.DYNAMIC, Policy.STATIC])
+    h.sched.submit(RUN, iteration, specs(rng.randint(2, 6)), IterationConfig(
+        policy=policy, task_lease_s=rng.choice([7.0, 30.0]), backup_tasks=rng.randint(0, 2) if policy is Policy.DYNAMIC else 0))
+
+
+def workers(h: Harness, rng: random.Random, model) -> dict:
+    """Workers a, b and c, with 1-3 slots each, as ``model``s."""
+    out = {}
+    for m in ("a", "b", "c"):
+        slots = rng.randint(1, 3)
+        out[m] = model(m, slots, h.worker(m, slots=slots))
+    return out
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_workers_that_reconnect_never_run_more_than_their_slots_and_the_books_balance(seed):
     rng = random.Random(seed)
@@ -94,10 +110,7 @@ def test_workers_that_reconnect_never_run_more_than_their_slots_and_the_books_ba
     def ctx(message: str) -> str:
         return f"seed {seed}: {message}\n" + "\n".join(log[-25:])
 
-    models = {}
-    for m in ("a", "b", "c"):
-        slots = rng.randint(1, 3)
-        models[m] = Model(m, slots, h.worker(m, slots=slots))
+    models = workers(h, rng, Model)
     next_iteration = 1
     for step in range(STEPS):
         op = rng.choice(["submit"] * (2 if step < 3 else 1) + ["deliver", "finish", "finish", "release", "fail",
@@ -105,10 +118,7 @@ def test_workers_that_reconnect_never_run_more_than_their_slots_and_the_books_ba
         model = models[rng.choice(sorted(models))]
         log.append(f"{step}: {op} {model.member} runs={sorted(model.runs)} holding={sorted(model.conn.worker.holding)}")
         if op == "submit" and next_iteration <= 4:
-            policy = rng.choice([Policy.DYNAMIC, Policy.STATIC])
-            h.sched.submit(RUN, next_iteration, specs(rng.randint(2, 6)), IterationConfig(
-                policy=policy, task_lease_s=rng.choice([7.0, 30.0]),
-                backup_tasks=rng.randint(0, 2) if policy is Policy.DYNAMIC else 0))
+            submit_some(h, rng, next_iteration)
             next_iteration += 1
         elif op == "deliver":
             model.deliver()
@@ -192,13 +202,10 @@ def test_what_is_in_flight_across_a_reconnect_leaves_no_slot_counted_for_a_task_
     h = Harness()
     log: list[str] = []
 
-    def ctx(message):
+    def ctx(message: str) -> str:
         return f"seed {seed}: {message}\n" + "\n".join(log[-30:])
 
-    models = {}
-    for m in ("a", "b", "c"):
-        slots = rng.randint(1, 3)
-        models[m] = InFlightModel(m, slots, h.worker(m, slots=slots))
+    models = workers(h, rng, InFlightModel)
     next_iteration = 1
     for step in range(STEPS + 20):
         op = rng.choice(["submit"] * (2 if step < 3 else 1) + ["deliver", "deliver", "deliver", "finish", "finish", "release", "fail",
@@ -207,10 +214,7 @@ def test_what_is_in_flight_across_a_reconnect_leaves_no_slot_counted_for_a_task_
         log.append(f"{step}: {op} {model.member} runs={sorted(model.runs)} holding={sorted(model.conn.worker.holding)} "
                    f"unacked={[k for _, k in model.unacked]}")
         if op == "submit" and next_iteration <= 4:
-            policy = rng.choice([Policy.DYNAMIC, Policy.STATIC])
-            h.sched.submit(RUN, next_iteration, specs(rng.randint(2, 6)), IterationConfig(
-                policy=policy, task_lease_s=rng.choice([7.0, 30.0]),
-                backup_tasks=rng.randint(0, 2) if policy is Policy.DYNAMIC else 0))
+            submit_some(h, rng, next_iteration)
             next_iteration += 1
         elif op == "deliver":
             model.really_deliver()
