@@ -35,7 +35,7 @@ from elasticrl.coordinator.core import DEFAULT_STREAM_GRACE_S, CoordinatorCore, 
 from elasticrl.coordinator.metrics import Metrics, MetricsEndpoint, RunGauges, SchedulerGauges, read_on_loop
 from elasticrl.coordinator.persist import StateDB
 from elasticrl.coordinator.replies import DEFAULT_KEEP as DEFAULT_KEEP_REQUEST_IDS
-from elasticrl.coordinator.service import CoordinatorServicer, add_to_server
+from elasticrl.coordinator.service import CoordinatorServicer, add_to_server, quiet_unsent_replies
 from elasticrl.scheduler import service as scheduler_service
 from elasticrl.scheduler.core import DEFAULT_KEEP_ITERATIONS, KEEP_SEALED_GROUPS, SchedulerCore
 from elasticrl.scheduler.store import TrajectoryStore
@@ -304,6 +304,7 @@ class CoordinatorServer:
         if config.metrics_port is not None:
             # Last, so innermost: it sees the real handler lookup (see RpcCountInterceptor).
             interceptors.append(RpcCountInterceptor(self.metrics))
+        quiet_unsent_replies()
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         add_to_server(CoordinatorServicer(self.core, max_kv_value_bytes=config.max_kv_value_bytes), self.server)
         trajectories = None if config.state_dir is None else os.path.join(config.state_dir, TRAJECTORY_DIR)

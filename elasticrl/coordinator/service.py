@@ -397,6 +397,29 @@ except ImportError:  # pragma: no cover - gRPC does not export it; another build
 # How long a response stream whose write failed waits for gRPC to see the client's close (it cancels
 # the handler then, at once in practice); past it the failed write is raised and gRPC logs it.
 _CLOSE_NEWS_S = 5.0
+_GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+
+
+class _UnsentReply(logging.Filter):
+    """gRPC sends a unary reply after the handler returned; when the client has gone by then (a
+    worker killed, a call past its deadline, a connection cut) before gRPC heard of its close, it
+    logs the failed send as an ERROR with a traceback from its own core. That is the client's
+    disconnect, not a fault of the coordinator's: this makes it one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, _WRITE_FAILED) and record.levelno >= logging.ERROR:
+            record.msg, record.args = "%s: the reply was not sent, the client had gone (%s)", (record.getMessage(), exc)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_unsent_replies() -> None:
+    """Install ``_UnsentReply`` on gRPC's core logger (once)."""
+    logger = logging.getLogger(_GRPC_CORE_LOGGER)
+    if not any(isinstance(f, _UnsentReply) for f in logger.filters):
+        logger.addFilter(_UnsentReply())
 
 
 def _parsing(impl, request_cls, kind: str):

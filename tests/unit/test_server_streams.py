@@ -82,3 +82,29 @@ def test_a_client_that_goes_away_mid_write_leaves_no_error_in_the_log(kind):
     errors = [f"{r.getMessage()} {r.exc_info[1] if r.exc_info else ''}" for r in records.records if r.levelno >= logging.ERROR]
     assert not errors, f"{len(errors)} of 150 cancelled streams logged an error, e.g. {errors[0]}"
     assert started > 0 and closed == started, f"{closed} of the {started} streams started closed their generator"
+
+
+def test_a_unary_reply_that_could_not_be_sent_is_one_info_line_and_other_errors_stay():
+    # What gRPC logs when a handler returned but its client had gone before gRPC heard of the
+    # close (test_weights_random seed 2 under load: a PublishWeights reply to a torn connection).
+    from grpc._cython.cygrpc import ExecuteBatchError
+
+    from elasticrl.coordinator.service import quiet_unsent_replies
+
+    records = _Records()
+    core_log = logging.getLogger("grpc._cython.cygrpc")
+    core_log.addHandler(records)
+    quiet_unsent_replies()
+    quiet_unsent_replies()  # once only
+    try:
+        try:
+            raise ExecuteBatchError('Failed "execute_batch"')
+        except ExecuteBatchError:
+            core_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/elasticrl.v1.Scheduler/PublishWeights")
+        core_log.error("something else went wrong")
+    finally:
+        core_log.removeHandler(records)
+    sent, other = records.records
+    assert (sent.levelname, sent.exc_info) == ("INFO", None) and "\n" not in sent.getMessage()
+    assert "PublishWeights]: the reply was not sent, the client had gone" in sent.getMessage()
+    assert other.levelname == "ERROR" and sum(type(f).__name__ == "_UnsentReply" for f in core_log.filters) == 1
