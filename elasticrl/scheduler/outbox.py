@@ -7,13 +7,13 @@ outbox when the writer comes round as one message (``WorkResponse.acks`` beside 
 instead of one each. The worker reads a message's acks first, so an ack is never merged past an
 assignment of a task of the batch it answers: handed out again on a reconnect before the re-sent
 batch with its result was read, the worker would skip it while the batch is unacknowledged, but
-run it a second time once the ack came first. Every message costs gRPC's send path on the coordinator and its receive path
-on the worker; a trajectory stream's batch otherwise costs an assignment (its freed slots) and an
-ack. Nothing waits for company: the writer takes what is there (for such a worker a batch stored
-on arrival commits before the writer runs, so its ack and the tasks it freed slots for leave
-together: ``results.ResultPipeline.submit``). A ``Cancel`` or ``End`` is never
-merged, and what follows it waits until it has gone, so the worker reads them in the order the
-core sent them (a cancel never overtakes the assignment it cancels).
+run it a second time once the ack came first. Every message costs gRPC's send path on the
+coordinator and its receive path on the worker; a trajectory stream's batch otherwise costs an
+assignment (its freed slots) and an ack. Nothing waits for company: the writer takes what is there
+(for such a worker a batch stored on arrival commits before the writer runs, so its ack and the
+tasks it freed slots for leave together: ``results.ResultPipeline.submit``). A ``Cancel`` or
+``End`` is never merged, and what follows it waits until it has gone, so the worker reads them in
+the order the core sent them (a cancel never overtakes the assignment it cancels).
 """
 
 from __future__ import annotations
@@ -57,11 +57,16 @@ class Writer:
             if outbox.empty():
                 break
             item = outbox.get_nowait()
-            if not isinstance(item, (Ack, Assign)) or (
-                    isinstance(item, Ack) and tasks and item.tasks and not item.tasks.isdisjoint((i, s.task_id) for i, s, _, _ in tasks)):
+            if not isinstance(item, (Ack, Assign)) or (isinstance(item, Ack) and _answers_one_of(item, tasks)):
                 self._held = item
                 break
         return combined(tasks, acks)
+
+
+def _answers_one_of(ack: Ack, tasks: list[tuple[int, object, float, bool]]) -> bool:
+    """``ack``'s batch holds a task of ``tasks`` (assignment items): merged with them, the ack would
+    be read first."""
+    return not ack.tasks.isdisjoint((iteration, spec.task_id) for iteration, spec, _, _ in tasks)
 
 
 def message(item: Assign | Cancel | Ack) -> bytes:

@@ -469,7 +469,8 @@ def _answer(d: Decided, ack: Ack | None, end: Exception | None) -> None:
     batch on its new stream and gets this ack back from the replies."""
     if ack is not None:
         ack.refused.extend(d.invalid)
-        ack.tasks = frozenset((iteration, group.task_id) for iteration, group in d.groups)
+        if d.conn.combined_acks:  # what its writer's merge needs (``outbox.Writer``)
+            ack.tasks = frozenset((iteration, group.task_id) for iteration, group in d.groups)
         d.conn.send(ack)
     if end is not None:
         d.conn.send(End(end))

@@ -307,8 +307,7 @@ class RolloutWorker:
         hello = spb.WorkerHello(run_id=self.run_id, slots=self.slots, weight=self.weight, combined_acks=True,
                                 reports_running=True)
         hello.member.member_id, hello.member.incarnation = self.member_id, self.incarnation
-        named = set(self._running)
-        for iteration, keys in itertools.groupby(sorted(named), key=lambda key: key[0]):
+        for iteration, keys in itertools.groupby(sorted(self._running), key=lambda key: key[0]):
             # Still running from the stream before: held for this worker again, not handed out anew.
             hello.running.add(iteration=iteration, task_ids=[task_id for _, task_id in keys])
         self._unsent = []  # of tasks this hello does not name: queued again by the coordinator
