@@ -13,7 +13,9 @@ acknowledged in the order they arrived (a worker drops its oldest unacknowledged
 
 Invariants (those of ``core``, kept across the split):
   * an ack goes out only after its batch's commit, and a re-sent batch (same batch id) is answered
-    with its first ack, counted once, even while its first copy is still being stored;
+    with its first ack, counted once, even while its first copy is still being stored; a copy of
+    one of its tasks handed to its worker again meanwhile is given back (the worker, holding the
+    result, skips it) and goes to another worker first, since that ack is not out yet;
   * a task is stored at most once: between a batch's decision and its commit its fresh tasks are
     ``storing``, and any other copy of them is refused as a duplicate;
   * at most ``MAX_PENDING_BATCHES`` batches per stream wait between decision and commit (the stream
@@ -69,7 +71,8 @@ class ResultBook:
     """The result half of ``SchedulerCore`` (see the module docstring). It uses the core's
     ``coord``, ``iterations``, ``conns``, ``store``, ``db``, ``clock``, ``metrics`` and
     ``_deciding`` (batch id -> its ``Decided`` until the commit), and its ``_dispatch``,
-    ``_maybe_seal``, ``_requeue``, ``_cancel_copies``, ``_free_slot`` and ``_counts_saved``."""
+    ``_maybe_seal``, ``_requeue``, ``_cancel_copies``, ``_free_slot``, ``_counts_saved`` and
+    ``release`` (``returns.TaskReturns``)."""
 
     def accept(
         self, conn: WorkerConn, groups: list[tuple[int, Group]], batch_id: str = "",
@@ -125,11 +128,12 @@ class ResultBook:
         for iteration, group in groups:
             key = (iteration, group.task_id)
             if d.replay is not None or d.follows is not None:
-                # A re-sent batch frees a slot of its tasks only where the worker's copy is over (the
-                # task done or being stored, or the worker no longer one of its holders: a slot
-                # carried over from its stream before, which the first copy could not free). A copy
-                # handed to it again since (after a restart lost another worker's result) is
-                # running: only its own result frees that one.
+                # A re-sent batch frees a slot of its tasks where the worker's copy is over (the task
+                # done or being stored, or the worker no longer one of its holders: a slot carried
+                # over from its stream before, which the first copy could not free). A copy handed
+                # to it again since (a restart lost the stored result, or another worker's) never
+                # ran: the worker holds this batch's results until its ack and skips such a copy.
+                # The commit gives it back (``_give_back_handed_again``).
                 it = its.get(iteration)
                 task = it.tasks.get(group.task_id) if it is not None else None
                 if (task is not None and task.status is TaskStatus.RUNNING and not task.storing
@@ -168,11 +172,13 @@ class ResultBook:
         """
         conn, worker = d.conn, d.conn.worker
         if d.replay is not None:
+            self._give_back_handed_again(d)
             return d.replay, None
         if d.follows is not None:
             replay = self.coord.replies.get(d.batch_id, "results")
             if replay is None:
                 raise CoordinatorUnavailableError("results: the first copy of this batch could not be stored; send it again")
+            self._give_back_handed_again(d)
             return Ack(replay["accepted"], [tuple(r) for r in replay["refused"]]), None
         if self._deciding.get(d.batch_id) is d:
             del self._deciding[d.batch_id]
@@ -248,6 +254,34 @@ class ResultBook:
             return ack, end
         self._dispatch(conn.run_id, freed_only=True)  # the slots of copies cancelled above
         return ack, None
+
+    def _give_back_handed_again(self, d: Decided) -> None:
+        """Give back the copies of a re-sent batch's tasks that its worker holds on its stream
+        now: each was handed to it again after it first sent the batch (a restart lost the stored
+        result, or another worker's), and the worker holds the batch's results until this ack and
+        skips a task it holds the result of (``RolloutWorker._has``), so such a copy never runs; it
+        would hold a slot and the task until its lease ran out (600 s by default). Each is released
+        as the worker would release it: queued again, and handed to another worker first
+        (``release``), since this ack is not sent yet and a copy handed to this worker before it
+        would be skipped again. Only on the worker's current stream (an older one's copies are the
+        new hello's to claim), and only a copy still running there."""
+        conn = d.conn
+        member_id = conn.worker.member_id
+        if conn.closed or self.conns.get(conn.run_id, {}).get(member_id) is not conn:
+            return
+        its = self.iterations.get(conn.run_id, {})
+        keys = {(iteration, group.task_id) for iteration, group in d.groups} & conn.worker.holding
+        for iteration, keys in itertools.groupby(sorted(keys), key=lambda key: key[0]):
+            it = its.get(iteration)
+            if it is None:
+                continue
+            task_ids = [task_id for _, task_id in keys
+                        if (task := it.tasks.get(task_id)) is not None and task.status is TaskStatus.RUNNING
+                        and not task.storing and member_id in task.holders]
+            if task_ids:
+                log.info("run %s iteration %d: worker %s re-sent a batch with the results of %d task(s) handed to it "
+                         "again meanwhile, which it skipped; queued again", conn.run_id, iteration, member_id, len(task_ids))
+                self.release(conn, iteration, task_ids, "handed out again while its worker held the result")
 
     def abandon(self, d: Decided, why: str) -> None:
         """A decided batch that will not be committed (its shards could not be written): its tasks

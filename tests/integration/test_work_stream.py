@@ -203,3 +203,83 @@ def test_results_in_a_form_protobuf_merges_are_taken(coordinator):
     asyncio.run(asyncio.wait_for(scenario(), 30))
     with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
         assert client.wait_sealed(run, 1, timeout_s=10)["tasks_done"] == 1
+
+
+def test_a_copy_skipped_by_a_worker_holding_its_result_is_given_back_after_the_resent_batch_s_ack(coordinator):
+    """A coordinator killed after storing a result and before its ack reached the worker, whose
+    shard file is lost (a rename that never reached the disk): the restarted coordinator queues the
+    task again and hands it to the same worker on its hello. The worker holds the result (its ack
+    never came) and skips that copy (``RolloutWorker._has``), then re-sends the batch. Its first ack
+    comes back, and the skipped copy is given back: the task is handed out again after that ack on
+    the wire, so the worker runs it. Before, the copy held the worker's slot and the task until the
+    task lease ran out (600 s by default)."""
+    run = "work-handed-again"
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        client.submit_iteration(run, 1, [TaskSpec(task_id=f"t{i}", prompt_ids=[1, 2], num_samples=1) for i in range(2)])
+
+    def acks(m) -> list:
+        return [m.ack] if m.WhichOneof("kind") == "ack" else list(m.acks)
+
+    def handed(m) -> list[str]:
+        return [a.task.task_id for a in m.assign.tasks]
+
+    async def read(call, messages: list, until) -> None:
+        """Read into ``messages`` until one read now satisfies ``until``."""
+        while True:
+            messages.append(await asyncio.wait_for(call.read(), 10))
+            if until(messages[-1]):
+                return
+
+    async def first_stream() -> int:
+        async with AsyncCoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=5) as c:
+            joined = await c.join(run, "w0", lease_ttl_s=120)
+            call = spb_grpc.SchedulerStub(c._channel).Work()
+            hello = spb.WorkerHello(run_id=run, member=wire.member_ref("w0", joined.incarnation), slots=1,
+                                    reports_running=True)
+            await call.write(spb.WorkRequest(hello=hello))
+            messages: list = []
+            await read(call, messages, lambda m: handed(m) == ["t0"])
+            await call.write(_result(1, "t0"))
+            await read(call, messages, acks)  # stored; as far as the worker knows, the ack is lost
+            call.cancel()  # (t1, handed out with the ack, is not run: the iteration stays open)
+            return joined.incarnation
+
+    incarnation = asyncio.run(asyncio.wait_for(first_stream(), 30))
+    coordinator.kill()
+    shards = list((coordinator.state_dir / "trajectories" / run).rglob("shard-*.safetensors"))
+    assert len(shards) == 1, shards
+    shards[0].unlink()
+    coordinator.start()
+
+    async def after_restart() -> list:
+        async with AsyncCoordinatorClient(coordinator.address, call_timeout_s=5, reconnect_timeout_s=5) as c:
+            call = spb_grpc.SchedulerStub(c._channel).Work()
+            hello = spb.WorkerHello(run_id=run, member=wire.member_ref("w0", incarnation), slots=1, reports_running=True)
+            await call.write(spb.WorkRequest(hello=hello))
+            messages: list = []
+            await read(call, messages, lambda m: "t0" in handed(m))  # skipped: the worker holds its result
+            await call.write(_result(1, "t0"))  # the batch whose ack it never got
+            await read(call, messages, acks)
+            if "t0" not in handed(messages[-1]):
+                await read(call, messages, lambda m: "t0" in handed(m))  # the copy given back, handed out again
+            since = len(messages)
+            for task_id in ("t0", "t1"):  # the worker runs t0 now, then t1 (handed out on t0's result)
+                if not any(task_id in handed(m) for m in messages[since - 1:]):
+                    await read(call, messages, lambda m: task_id in handed(m))
+                batch = _result(1, task_id)
+                batch.results.batch_id = f"again-{task_id}"
+                await call.write(batch)
+                await read(call, messages, acks)
+            call.cancel()
+            return messages
+
+    messages = asyncio.run(asyncio.wait_for(after_restart(), 30))
+    trace = [(handed(m), [a.accepted for a in acks(m)]) for m in messages]
+    first_ack = next(i for i, m in enumerate(messages) if acks(m))
+    again = [i for i, m in enumerate(messages) if "t0" in handed(m)][1]
+    # After the ack (a merged message carries its acks first): the worker drops the result, then runs t0.
+    assert first_ack <= again, trace
+    assert acks(messages[first_ack])[0].accepted == 1, trace  # its first answer
+    assert "handed to it again meanwhile, which it skipped; queued again" in coordinator.log()
+    with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
+        assert client.wait_sealed(run, 1, timeout_s=10)["tasks_done"] == 2

@@ -176,7 +176,40 @@ def test_a_state_dir_of_an_unknown_schema_version_is_refused_by_name(tmp_path):
         restart(h, tmp_path)
 
 
-def test_a_batch_resent_after_a_restart_does_not_free_the_slot_of_a_task_handed_out_again(tmp_path):
+def test_a_copy_handed_to_a_worker_holding_its_result_is_given_back_when_the_resent_batch_is_answered(tmp_path):
+    """A worker holds a batch's results until its ack, and skips a task it holds the result of
+    (``RolloutWorker._has``). Here the stored result is lost at a restart (its shard file is gone:
+    a rename that never reached the disk) and the ack never reached the worker: the task is queued
+    again and handed to that same worker on its hello, which skips it, then re-sends the batch.
+    The re-sent batch gets its first ack, and the copy it skipped is given back: before, it held
+    the worker's slot and the task until the task lease ran out (600 s by default)."""
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=1)
+    h1.sched.submit(RUN, 1, specs(2), IterationConfig())
+    assert assigned(drain(a)) == ids(0)
+    ack, _ = h1.sched.accept(a, [(1, group("t00"))], "a-1")  # its ack is lost with the crash
+    assert ack.accepted == 1
+    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)
+    h2.incarnations["a"] = incarnation
+    assert h2.it().tasks["t00"].status is TaskStatus.QUEUED  # the lost group's task
+    a2 = h2.worker("a", slots=1, running=[])  # the hello: nothing runs
+    assert assigned(drain(a2)) == ids(0)  # handed to a again: a skips it (it holds the result)
+    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # the batch whose ack it lost
+    assert ack.accepted == 1 and not ack.refused  # its first answer, counted once
+    task = h2.it().tasks["t00"]
+    assert not a2.worker.holding and "a" not in task.holders and task.status is TaskStatus.QUEUED
+    assert not assigned(drain(a2))  # not straight back: this ack is not out yet when it is given back
+    h2.advance(1.0, alive=("a",))  # the next tick offers it to anyone, a included
+    assert assigned(drain(a2)) == ids(0)
+    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-2")  # a runs it now: its result is stored
+    assert ack.accepted == 1 and h2.it().tasks["t00"].status is TaskStatus.DONE
+
+
+def test_a_batch_resent_after_a_restart_gives_back_the_copy_handed_out_again_that_its_worker_skipped(tmp_path):
+    """As above, with the re-sent batch's first answer a refusal: another worker's copy was being
+    stored (then lost with the crash)."""
     h1 = Harness(state_dir=tmp_path)
     a, b = h1.worker("a", slots=1), h1.worker("b", slots=1)
     h1.sched.submit(RUN, 1, specs(3), IterationConfig())
@@ -188,11 +221,14 @@ def test_a_batch_resent_after_a_restart_does_not_free_the_slot_of_a_task_handed_
     h2 = restart(h1, tmp_path)  # the crash loses b's batch: t00 is queued again
     h2.incarnations["a"] = incarnation
     a2 = h2.worker("a", slots=1)
-    assert assigned(drain(a2)) == ids(0)  # handed to a again
-    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # a re-sends the batch whose ack it lost
+    assert assigned(drain(a2)) == ids(0)  # handed to a again, which skips it: its ack of a-1 was lost
+    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # a re-sends the batch
     assert ack.refused == [(1, "t00", "duplicate")]  # its first answer
-    # a still holds its new copy of t00 (the old code freed it here and handed a t01/t02 beyond its one slot)
-    assert a2.worker.holding == {(1, "t00")} and not assigned(drain(a2))
+    # The skipped copy is given back (an older code freed its slot and kept a as its holder: a then
+    # got a second task beyond its one slot; the code after that kept both until t00's lease ran out).
+    assert not a2.worker.holding and h2.it().tasks["t00"].status is TaskStatus.QUEUED
+    h2.advance(1.0, alive=("a",))
+    assert assigned(drain(a2)) == ids(0) and a2.worker.holding == {(1, "t00")}
     h2.sched.disconnect(a2, "gone")
     assert h2.it().tasks["t00"].status is TaskStatus.QUEUED  # and its stream closing requeues it
 
