@@ -45,6 +45,7 @@ class WorkerLinks:
         log.info("run %s: worker %s (incarnation %d) connected with %d slot(s), weight %g",
                  run_id, member_id, incarnation, slots, weight)
         if running is not None:
+            conn.reports_running = True
             self._claim(conn, running)
         self._slots_freed(conn)  # only its slots are new: a full pass per connect was O(workers^2) to start a fleet
         self._dispatch(run_id, freed_only=True)

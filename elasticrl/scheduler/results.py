@@ -264,10 +264,11 @@ class ResultBook:
         as the worker would release it: queued again, and handed to another worker first
         (``release``), since this ack is not sent yet and a copy handed to this worker before it
         would be skipped again. Only on the worker's current stream (an older one's copies are the
-        new hello's to claim), and only a copy still running there."""
+        new hello's to claim), only a copy still running there, and only for a worker whose hello
+        names what it runs: every such worker skips those copies (an older one may run them)."""
         conn = d.conn
         member_id = conn.worker.member_id
-        if conn.closed or self.conns.get(conn.run_id, {}).get(member_id) is not conn:
+        if not conn.reports_running or conn.closed or self.conns.get(conn.run_id, {}).get(member_id) is not conn:
             return
         its = self.iterations.get(conn.run_id, {})
         keys = {(iteration, group.task_id) for iteration, group in d.groups} & conn.worker.holding

@@ -64,6 +64,9 @@ class WorkerConn:
         """The coordinator ended this stream itself (its run was closed): no broken stream."""
         self.combined_acks = False
         """Its hello said it reads acks merged with assignments (``outbox.Writer``)."""
+        self.reports_running = False
+        """Its hello named every task it still runs (``WorkerHello.reports_running``): such a worker
+        also skips a task handed to it while it holds its result (``results._give_back_handed_again``)."""
         self.pending: collections.deque[Decided] = collections.deque()
         """Result batches decided and not yet committed, in arrival order (their acks go out in it)."""
 

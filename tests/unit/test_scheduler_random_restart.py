@@ -235,7 +235,10 @@ class Sim:
             self.h.join(p.member_id)
             p.new_incarnation()
         old = p.conn
-        p.conn = self.h.worker(p.member_id, slots=p.slots)
+        # Most hellos name what the process runs (the tasks it was handed and has not finished),
+        # as a RolloutWorker's does; some say nothing, as an older worker's.
+        running = sorted(p.known) if self.rng.random() < 0.7 else None
+        p.conn = self.h.worker(p.member_id, slots=p.slots, running=running)
         if old is not None:  # the old stream ends (told so by the core): the servicer disconnects it
             drain(old)
             self.h.sched.disconnect(old, "replaced by a newer stream")
@@ -398,8 +401,8 @@ class Sim:
         worker, holding the batch's results, skipped it), and per iteration how many of them are
         queued again (no other copy left)."""
         member_id = conn.worker.member_id
-        if conn.closed or self.h.sched.conns.get(RUN, {}).get(member_id) is not conn:
-            return set(), {}
+        if not conn.reports_running or conn.closed or self.h.sched.conns.get(RUN, {}).get(member_id) is not conn:
+            return set(), {}  # (a worker whose hello does not say what runs may run them: kept)
         keys, requeued, storing = set(), collections.Counter(), self.storing()
         for item in items:
             it = self.its().get(item.iteration)
@@ -775,9 +778,9 @@ class Sim:
 # a sends "a-5" again (its ack was lost), and the replay freed a's slot of t00 (``decide`` freed the
 # slots of a re-sent batch's tasks too): t00 stayed RUNNING held by a while a's stream did not hold
 # it, a was handed a task beyond its slots, and a's stream closing did not requeue t00.
-# 140 and 384 (the two of seeds 0-399 that do): a re-sent batch gives back a copy of its task that
-# was handed to its worker again since (``ResultBook._give_back_handed_again``).
-SEEDS = [*range(8), 140, 384, 813]
+# 72, 133 and 187 (three of the four of seeds 0-399 that do): a re-sent batch gives back a copy of
+# its task that was handed to its worker again since (``ResultBook._give_back_handed_again``).
+SEEDS = [*range(8), 72, 133, 187, 813]
 
 
 @pytest.mark.parametrize("seed", SEEDS)

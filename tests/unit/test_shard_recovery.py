@@ -207,6 +207,25 @@ def test_a_copy_handed_to_a_worker_holding_its_result_is_given_back_when_the_res
     assert ack.accepted == 1 and h2.it().tasks["t00"].status is TaskStatus.DONE
 
 
+def test_the_copy_handed_again_to_a_worker_that_does_not_say_what_runs_is_kept(tmp_path):
+    """A worker whose hello does not name what it runs (``reports_running``, an older one) may run
+    a task handed to it while it holds the task's result: its copy stays until its own result or
+    its lease, as before."""
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=1)
+    h1.sched.submit(RUN, 1, specs(2), IterationConfig())
+    assert assigned(drain(a)) == ids(0)
+    h1.sched.accept(a, [(1, group("t00"))], "a-1")
+    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)
+    h2.incarnations["a"] = incarnation
+    a2 = h2.worker("a", slots=1)  # no running list
+    assert assigned(drain(a2)) == ids(0)
+    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")
+    assert ack.accepted == 1 and a2.worker.holding == {(1, "t00")} and "a" in h2.it().tasks["t00"].holders
+
+
 def test_a_batch_resent_after_a_restart_gives_back_the_copy_handed_out_again_that_its_worker_skipped(tmp_path):
     """As above, with the re-sent batch's first answer a refusal: another worker's copy was being
     stored (then lost with the crash)."""
@@ -220,7 +239,7 @@ def test_a_batch_resent_after_a_restart_gives_back_the_copy_handed_out_again_tha
     incarnation = h1.incarnations["a"]
     h2 = restart(h1, tmp_path)  # the crash loses b's batch: t00 is queued again
     h2.incarnations["a"] = incarnation
-    a2 = h2.worker("a", slots=1)
+    a2 = h2.worker("a", slots=1, running=[])
     assert assigned(drain(a2)) == ids(0)  # handed to a again, which skips it: its ack of a-1 was lost
     ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # a re-sends the batch
     assert ack.refused == [(1, "t00", "duplicate")]  # its first answer
