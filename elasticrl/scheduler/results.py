@@ -256,32 +256,37 @@ class ResultBook:
         return ack, None
 
     def _give_back_handed_again(self, d: Decided) -> None:
-        """Give back the copies of a re-sent batch's tasks that its worker holds on its stream
-        now: each was handed to it again after it first sent the batch (a restart lost the stored
-        result, or another worker's), and the worker holds the batch's results until this ack and
-        skips a task it holds the result of (``RolloutWorker._has``), so such a copy never runs; it
-        would hold a slot and the task until its lease ran out (600 s by default). Each is released
-        as the worker would release it: queued again, and handed to another worker first
+        """Give back the slots a re-sent batch's tasks still hold on its worker's stream now: each is
+        a copy handed to the worker again after it first sent the batch (a restart lost the stored
+        result, or another worker's). The worker holds the batch's results until this ack and skips
+        a task it holds the result of (``RolloutWorker._has``), and a hello never names one, so
+        such a copy never runs: it would hold a slot, and a running task, until the task lease ran
+        out (600 s by default), and then the slot until the stream ended (the lease takes the
+        worker off the task's holders, not its slot). So each is released as the worker would
+        release it: queued again if no other copy runs, and handed to another worker first
         (``release``), since this ack is not sent yet and a copy handed to this worker before it
-        would be skipped again. Only on the worker's current stream (an older one's copies are the
-        new hello's to claim), only a copy still running there, and only for a worker whose hello
-        names what it runs: every such worker skips those copies (an older one may run them)."""
+        would be skipped again. A task whose other result is being stored only loses this copy
+        (that result decides it). Only on the worker's current stream (an older one's copies are
+        the new hello's to claim), and only for a worker whose hello names what it runs: every such
+        worker skips those copies (an older one may run them)."""
         conn = d.conn
         member_id = conn.worker.member_id
         if not conn.reports_running or conn.closed or self.conns.get(conn.run_id, {}).get(member_id) is not conn:
             return
         its = self.iterations.get(conn.run_id, {})
         keys = {(iteration, group.task_id) for iteration, group in d.groups} & conn.worker.holding
-        for iteration, keys in itertools.groupby(sorted(keys), key=lambda key: key[0]):
-            it = its.get(iteration)
-            if it is None:
-                continue
-            task_ids = [task_id for _, task_id in keys
-                        if (task := it.tasks.get(task_id)) is not None and task.status is TaskStatus.RUNNING
-                        and not task.storing and member_id in task.holders]
+        for iteration, of_iteration in itertools.groupby(sorted(keys), key=lambda key: key[0]):
+            it, of_iteration, task_ids = its.get(iteration), list(of_iteration), []
+            for key in of_iteration:
+                task = it.tasks.get(key[1]) if it is not None else None
+                if task is not None and task.storing:
+                    self._free_slot(conn, key)
+                    task.holders.pop(member_id, None)
+                else:
+                    task_ids.append(key[1])
+            log.info("run %s iteration %d: worker %s re-sent a batch with the results of %d task(s) handed to it "
+                     "again meanwhile, which it skipped; given back", conn.run_id, iteration, member_id, len(of_iteration))
             if task_ids:
-                log.info("run %s iteration %d: worker %s re-sent a batch with the results of %d task(s) handed to it "
-                         "again meanwhile, which it skipped; queued again", conn.run_id, iteration, member_id, len(task_ids))
                 self.release(conn, iteration, task_ids, "handed out again while its worker held the result")
 
     def abandon(self, d: Decided, why: str) -> None:

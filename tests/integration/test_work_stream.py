@@ -280,6 +280,6 @@ def test_a_copy_skipped_by_a_worker_holding_its_result_is_given_back_after_the_r
     # After the ack (a merged message carries its acks first): the worker drops the result, then runs t0.
     assert first_ack <= again, trace
     assert acks(messages[first_ack])[0].accepted == 1, trace  # its first answer
-    assert "handed to it again meanwhile, which it skipped; queued again" in coordinator.log()
+    assert "handed to it again meanwhile, which it skipped; given back" in coordinator.log()
     with SchedulerClient(coordinator.address, call_timeout_s=5) as client:
         assert client.wait_sealed(run, 1, timeout_s=10)["tasks_done"] == 2

@@ -396,22 +396,21 @@ class Sim:
         return out
 
     def handed_again(self, conn: WorkerConn, items: list[Item]) -> tuple[set, dict]:
-        """What answering a re-sent batch on ``conn`` now gives back: each of its tasks running
-        on the worker's current stream (handed to it again since the batch was first sent: a real
-        worker, holding the batch's results, skipped it), and per iteration how many of them are
-        queued again (no other copy left)."""
+        """What answering a re-sent batch on ``conn`` now gives back: each of its tasks still
+        counted on the worker's current stream (handed to it again since the batch was first sent:
+        a real worker, holding the batch's results, skipped it), and per iteration how many of them
+        are queued again (running, not being stored, no other copy left)."""
         member_id = conn.worker.member_id
         if not conn.reports_running or conn.closed or self.h.sched.conns.get(RUN, {}).get(member_id) is not conn:
             return set(), {}  # (a worker whose hello does not say what runs may run them: kept)
-        keys, requeued, storing = set(), collections.Counter(), self.storing()
-        for item in items:
-            it = self.its().get(item.iteration)
-            task = it.tasks.get(item.task_id) if it is not None else None
-            if (item.key not in keys and item.key in conn.worker.holding and item.key not in self.accepted
-                    and item.key not in storing and task is not None and task.status is RUNNING
-                    and member_id in task.holders):
-                keys.add(item.key)
-                requeued[item.iteration] += set(task.holders) == {member_id}
+        keys = {item.key for item in items} & conn.worker.holding
+        requeued, storing = collections.Counter(), self.storing()
+        for n, t in keys:
+            it = self.its().get(n)
+            task = it.tasks.get(t) if it is not None else None
+            if (task is not None and not it.sealed and task.status is RUNNING and (n, t) not in storing
+                    and (n, t) not in self.accepted and set(task.holders) <= {member_id}):
+                requeued[n] += 1
         return keys, requeued
 
     def replayed(self, p: Proc | None, conn: WorkerConn, batch_id: str, ack, books: dict, handed: tuple[set, dict]) -> None:

@@ -226,6 +226,36 @@ def test_the_copy_handed_again_to_a_worker_that_does_not_say_what_runs_is_kept(t
     assert ack.accepted == 1 and a2.worker.holding == {(1, "t00")} and "a" in h2.it().tasks["t00"].holders
 
 
+def test_a_skipped_copy_whose_lease_ran_out_before_the_resent_batch_commits_is_given_back(tmp_path):
+    """The re-sent batch waits for its commit (a batch ahead of it on the stream is being written)
+    while the skipped copy's lease runs out: the tick drops a from the task's holders and queues it
+    again, and a keeps the slot. Neither the decision (a was a holder then) nor, as first written,
+    the commit (a is not now) freed it, and with one worker t00 stayed queued for good (a review
+    found it)."""
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=2)
+    h1.sched.submit(RUN, 1, specs(3), IterationConfig(task_lease_s=30.0))
+    assert assigned(drain(a)) == ids(0, 1)
+    h1.sched.accept(a, [(1, group("t00"))], "a-1")  # its ack is lost with the crash
+    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)
+    h2.incarnations["a"] = incarnation
+    a2 = h2.worker("a", slots=2, running=[])
+    assert sorted(assigned(drain(a2))) == ids(0, 1)  # a skips t00 (it holds the result), runs t01
+    first = h2.sched.decide(a2, [(1, group("t01"))], "a-2")  # being written (a thread)
+    resent = h2.sched.decide(a2, [(1, group("t00"))], "a-1")  # the re-sent batch, behind it
+    assert resent.replay is not None
+    h2.advance(31.0, alive=("a",))  # t00's lease runs out: queued again, a keeps the slot
+    h2.sched.write(first)
+    h2.sched.commit(first)
+    h2.sched.commit(resent)
+    assert (1, "t00") not in a2.worker.holding and h2.it().tasks["t00"].status is TaskStatus.QUEUED
+    drain(a2)
+    h2.advance(1.0, alive=("a",))
+    assert "t00" in assigned(drain(a2))  # handed out again, after the ack
+
+
 def test_a_batch_resent_after_a_restart_gives_back_the_copy_handed_out_again_that_its_worker_skipped(tmp_path):
     """As above, with the re-sent batch's first answer a refusal: another worker's copy was being
     stored (then lost with the crash)."""
