@@ -256,38 +256,60 @@ class ResultBook:
         return ack, None
 
     def _give_back_handed_again(self, d: Decided) -> None:
-        """Give back the slots a re-sent batch's tasks still hold on its worker's stream now: each is
-        a copy handed to the worker again after it first sent the batch (a restart lost the stored
-        result, or another worker's). The worker holds the batch's results until this ack and skips
-        a task it holds the result of (``RolloutWorker._has``), and a hello never names one, so
-        such a copy never runs: it would hold a slot, and a running task, until the task lease ran
-        out (600 s by default), and then the slot until the stream ended (the lease takes the
-        worker off the task's holders, not its slot). So each is released as the worker would
-        release it: queued again if no other copy runs, and handed to another worker first
-        (``release``), since this ack is not sent yet and a copy handed to this worker before it
-        would be skipped again. A task whose other result is being stored only loses this copy
-        (that result decides it). Only on the worker's current stream (an older one's copies are
-        the new hello's to claim), and only for a worker whose hello names what it runs: every such
-        worker skips those copies (an older one may run them)."""
+        """Give back what a re-sent batch's tasks still hold of its worker on its stream now. The
+        worker holds the batch's results until this ack and skips a task it holds the result of
+        (``RolloutWorker._has``), and its hello never names one, so it runs none of them:
+
+        * a slot still counted for one is a copy handed to it again after it first sent the batch
+          (a restart lost the stored result, or another worker's), which it skipped. It would hold
+          the slot and the task until the task lease ran out (600 s by default), and the slot
+          until the stream ended (the lease takes the worker off the task's holders, not its
+          slot). It is released as the worker would release it: queued again if no other copy
+          runs, and handed to another worker first (``release``), since this ack is not sent yet
+          and a copy handed to this worker before it would be skipped again;
+        * the worker still among a task's holders without the slot (``decide`` freed it while
+          another worker's result was being stored) is dropped from them, and the task queued
+          again if it runs with no other copy (that result was abandoned meanwhile, or will be:
+          ``abandon`` queues it then).
+
+        A task whose other result is being stored only loses this copy (that result decides it).
+        Only on the worker's current stream (an older one's copies are the new hello's to claim),
+        and only for a worker whose hello names what it runs: every such worker skips those copies
+        (an older one may run them)."""
         conn = d.conn
         member_id = conn.worker.member_id
         if not conn.reports_running or conn.closed or self.conns.get(conn.run_id, {}).get(member_id) is not conn:
             return
-        its = self.iterations.get(conn.run_id, {})
-        keys = {(iteration, group.task_id) for iteration, group in d.groups} & conn.worker.holding
+        its, requeued = self.iterations.get(conn.run_id, {}), False
+        keys = {(iteration, group.task_id) for iteration, group in d.groups}
         for iteration, of_iteration in itertools.groupby(sorted(keys), key=lambda key: key[0]):
-            it, of_iteration, task_ids = its.get(iteration), list(of_iteration), []
+            it, held, holder_only = its.get(iteration), [], []
             for key in of_iteration:
                 task = it.tasks.get(key[1]) if it is not None else None
-                if task is not None and task.storing:
-                    self._free_slot(conn, key)
-                    task.holders.pop(member_id, None)
-                else:
-                    task_ids.append(key[1])
-            log.info("run %s iteration %d: worker %s re-sent a batch with the results of %d task(s) handed to it "
-                     "again meanwhile, which it skipped; given back", conn.run_id, iteration, member_id, len(of_iteration))
-            if task_ids:
-                self.release(conn, iteration, task_ids, "handed out again while its worker held the result")
+                if key in conn.worker.holding:
+                    if task is not None and task.storing:
+                        self._free_slot(conn, key)
+                        task.holders.pop(member_id, None)
+                    else:
+                        held.append(key[1])
+                elif task is not None and member_id in task.holders:
+                    holder_only.append(task)
+            if held or holder_only:
+                log.info("run %s iteration %d: worker %s re-sent a batch with the results of %d task(s) handed to it "
+                         "again meanwhile, which it skipped; given back", conn.run_id, iteration, member_id,
+                         len(held) + len(holder_only))
+            if holder_only:
+                with self.db.tx():
+                    for task in holder_only:
+                        if task.storing:
+                            task.holders.pop(member_id, None)
+                        else:
+                            requeued |= bool(self._requeue(it, task, member_id, "its copy was skipped"))
+                    self.db.put_counters(it)
+            if held:
+                self.release(conn, iteration, held, "handed out again while its worker held the result")
+        if requeued:
+            self._dispatch(conn.run_id, skip=conn)  # (see release)
 
     def abandon(self, d: Decided, why: str) -> None:
         """A decided batch that will not be committed (its shards could not be written): its tasks

@@ -456,14 +456,14 @@ class RolloutWorker:
                 log.exception("worker %s: %d task(s) failed", self.member_id, len(batch))
                 self.stats.failed += len(batch)
             for a in batch:
-                if self._running.pop((a.iteration, a.task.task_id), None) is not None:
+                if self._untrack(a):
                     self._send(spb.WorkRequest(release=spb.ReleaseTasks(
                         iteration=a.iteration, task_ids=[a.task.task_id], reason=f"engine error: {type(exc).__name__}: {exc}"[:1000],
                     )))
             return
         elapsed = (time.perf_counter() - started) / len(batch)
         for a, group in zip(batch, groups):
-            if self._running.pop((a.iteration, a.task.task_id), None) is None or a.cancelled.is_set():
+            if not self._untrack(a) or a.cancelled.is_set():
                 continue  # cancelled meanwhile: another copy won, or the iteration sealed
             if group.task_id != a.task.task_id:
                 raise AssertionError(f"generate returned task {group.task_id!r} for {a.task.task_id!r}")
@@ -489,6 +489,15 @@ class RolloutWorker:
             self._flush()
         elif self._pending and self._flush_timer is None:
             self._flush_timer = loop.call_later(self.linger_s, self._flush)
+
+    def _untrack(self, a: Assignment) -> bool:
+        """``a`` is over: no longer among the tasks this worker runs. False if it was not (it was
+        cancelled; the same task handed out again since is another ``Assignment``, and stays)."""
+        key = (a.iteration, a.task.task_id)
+        if self._running.get(key) is not a:
+            return False
+        del self._running[key]
+        return True
 
     def _flush(self) -> None:
         if self._flush_timer is not None:

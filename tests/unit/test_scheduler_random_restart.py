@@ -397,13 +397,19 @@ class Sim:
 
     def handed_again(self, conn: WorkerConn, items: list[Item]) -> tuple[set, dict]:
         """What answering a re-sent batch on ``conn`` now gives back: each of its tasks still
-        counted on the worker's current stream (handed to it again since the batch was first sent:
-        a real worker, holding the batch's results, skipped it), and per iteration how many of them
-        are queued again (running, not being stored, no other copy left)."""
+        counted on the worker's current stream, or still held by the worker (handed to it again
+        since the batch was first sent: a real worker, holding the batch's results, skipped it),
+        and per iteration how many of them are queued again (running, not being stored, no other
+        copy left)."""
         member_id = conn.worker.member_id
         if not conn.reports_running or conn.closed or self.h.sched.conns.get(RUN, {}).get(member_id) is not conn:
             return set(), {}  # (a worker whose hello does not say what runs may run them: kept)
-        keys = {item.key for item in items} & conn.worker.holding
+        keys = set()
+        for item in items:
+            it = self.its().get(item.iteration)
+            task = it.tasks.get(item.task_id) if it is not None else None
+            if item.key in conn.worker.holding or (task is not None and member_id in task.holders):
+                keys.add(item.key)
         requeued, storing = collections.Counter(), self.storing()
         for n, t in keys:
             it = self.its().get(n)

@@ -256,6 +256,36 @@ def test_a_skipped_copy_whose_lease_ran_out_before_the_resent_batch_commits_is_g
     assert "t00" in assigned(drain(a2))  # handed out again, after the ack
 
 
+def test_a_skipped_copy_whose_slot_was_freed_while_another_result_was_stored_leaves_no_holder(tmp_path):
+    """The re-sent batch arrives while a backup copy's result for the same task is being stored:
+    its decision frees the skipped copy's slot, and a stayed one of the task's holders. When that
+    other result is abandoned (its shard write failed) and its worker goes, the task stayed RUNNING
+    held by a, which neither runs it nor counts it, until the task lease ran out (a review found it)."""
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=2)
+    h1.sched.submit(RUN, 1, specs(2), IterationConfig(backup_tasks=1))
+    assert assigned(drain(a)) == ids(0, 1)
+    h1.sched.accept(a, [(1, group("t00"))], "a-1")  # its ack is lost with the crash
+    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)
+    h2.incarnations["a"] = incarnation
+    a2 = h2.worker("a", slots=2, running=[(1, "t01")])
+    assert assigned(drain(a2)) == ids(0)  # t01 claimed; a skips t00: it holds the result of a-1
+    b = h2.worker("b", slots=1, running=[])
+    assert assigned(drain(b)) == ids(0)  # a backup copy of t00
+    stored_by_b = h2.sched.decide(b, [(1, group("t00"))], "b-1")  # being written
+    ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # a re-sends a-1: its first ack
+    assert ack.accepted == 1
+    task = h2.it().tasks["t00"]
+    assert "a" not in task.holders and (1, "t00") not in a2.worker.holding
+    drain(a2)
+    h2.sched.abandon(stored_by_b, "store failed: disk full")  # b's shard could not be written
+    h2.sched.disconnect(b, "b died")
+    # queued again, and handed to a (the ack went first): a copy a runs, counted on its stream
+    assert assigned(drain(a2)) == ids(0) and list(task.holders) == ["a"] and (1, "t00") in a2.worker.holding
+
+
 def test_a_batch_resent_after_a_restart_gives_back_the_copy_handed_out_again_that_its_worker_skipped(tmp_path):
     """As above, with the re-sent batch's first answer a refusal: another worker's copy was being
     stored (then lost with the crash)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 
 import pytest
 
@@ -61,3 +62,36 @@ def test_tasks_an_engine_gives_back_while_stopping_are_released_without_an_error
     assert (len(errors), bool(errors and errors[0].exc_info)) == ((0, False) if failed == 0 else (1, True))
     if failed == 0:
         assert any("2 task(s) given back: the engine worker is stopping" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cancelled_run_that_ends_after_its_task_was_handed_out_again_leaves_the_new_copy_running():
+    """A copy cancelled (its task done elsewhere) and the same task handed to this worker again
+    before the old run ended (a restart lost that result): the old run's end used to untrack the
+    new copy by its key, whose result was then dropped as cancelled while the coordinator counted
+    its slot until the task lease ran out."""
+    release_old = threading.Event()
+
+    def generate_batch(batch: list[Assignment]) -> list[GroupRecord]:
+        if batch[0].backup:  # the old copy: ends once the new one is handed out
+            release_old.wait(10)
+        return [GroupRecord(a.task.task_id, "w", 0, 0.0, 0.0, [SampleRecord(b"\0" * 8, b"\0" * 8, 1.0)]) for a in batch]
+
+    w = RolloutWorker("127.0.0.1:1", "r", "w", None, generate_batch=generate_batch, slots=2)
+    old = Assignment(1, TaskSpec(task_id="t0", prompt_ids=[1]), 10.0, True)
+    new = Assignment(1, TaskSpec(task_id="t0", prompt_ids=[1]), 10.0, False)
+
+    async def run():
+        with concurrent.futures.ThreadPoolExecutor(2) as executor:
+            w._running[(1, "t0")] = old
+            first = asyncio.ensure_future(w._run_tasks(executor, [old]))
+            await asyncio.sleep(0.05)
+            del w._running[(1, "t0")]  # cancelled, as the stream's Cancel does
+            old.cancelled.set()
+            w._running[(1, "t0")] = new  # handed out again
+            release_old.set()
+            await first
+            assert w._running.get((1, "t0")) is new  # the old run's end leaves the new copy tracked
+            await w._run_tasks(executor, [new])
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert not w._running and w.stats.completed == 1 and len(w.unacked) == 1
