@@ -125,20 +125,26 @@ class ResultBook:
             if batch_id:
                 self._deciding[batch_id] = d
         its = self.iterations.get(conn.run_id, {})
+        resent = d.replay is not None or d.follows is not None
+        gives_back = resent and self._gives_back(conn)
         for iteration, group in groups:
             key = (iteration, group.task_id)
-            if d.replay is not None or d.follows is not None:
+            if resent:
                 # A re-sent batch frees a slot of its tasks where the worker's copy is over (the task
                 # done or being stored, or the worker no longer one of its holders: a slot carried
                 # over from its stream before, which the first copy could not free). A copy handed
                 # to it again since (a restart lost the stored result, or another worker's) never
                 # ran: the worker holds this batch's results until its ack and skips such a copy.
-                # The commit gives it back (``_give_back_handed_again``).
+                # The commit gives it back (``_give_back_handed_again``); one whose task another
+                # result is being stored for is dropped from its holders now (that result decides
+                # it, or its abandon queues it again), also if this stream ends before the commit.
                 it = its.get(iteration)
                 task = it.tasks.get(group.task_id) if it is not None else None
                 if (task is not None and task.status is TaskStatus.RUNNING and not task.storing
                         and worker.member_id in task.holders):
                     continue
+                if gives_back and task is not None and task.storing:
+                    task.holders.pop(worker.member_id, None)
             if self._free_slot(conn, key):
                 d.released.append(key)
         self._dispatch(conn.run_id, freed_only=True)
@@ -267,10 +273,9 @@ class ResultBook:
           slot). It is released as the worker would release it: queued again if no other copy
           runs, and handed to another worker first (``release``), since this ack is not sent yet
           and a copy handed to this worker before it would be skipped again;
-        * the worker still among a task's holders without the slot (``decide`` freed it while
-          another worker's result was being stored) is dropped from them, and the task queued
-          again if it runs with no other copy (that result was abandoned meanwhile, or will be:
-          ``abandon`` queues it then).
+        * the worker still among a task's holders without the slot is dropped from them, and the
+          task queued again if it runs with no other copy (``decide`` already dropped it where
+          another result was being stored then, which decides the task, or, abandoned, queues it).
 
         A task whose other result is being stored only loses this copy (that result decides it).
         Only on the worker's current stream (an older one's copies are the new hello's to claim),
@@ -278,7 +283,7 @@ class ResultBook:
         (an older one may run them)."""
         conn = d.conn
         member_id = conn.worker.member_id
-        if not conn.reports_running or conn.closed or self.conns.get(conn.run_id, {}).get(member_id) is not conn:
+        if not self._gives_back(conn):
             return
         its, requeued = self.iterations.get(conn.run_id, {}), False
         keys = {(iteration, group.task_id) for iteration, group in d.groups}
@@ -310,6 +315,12 @@ class ResultBook:
                 self.release(conn, iteration, held, "handed out again while its worker held the result")
         if requeued:
             self._dispatch(conn.run_id, skip=conn)  # (see release)
+
+    def _gives_back(self, conn: WorkerConn) -> bool:
+        """Whether a batch re-sent on ``conn`` gives back its tasks' copies (see
+        ``_give_back_handed_again``): the worker's current stream, and its hello named what runs."""
+        return (conn.reports_running and not conn.closed
+                and self.conns.get(conn.run_id, {}).get(conn.worker.member_id) is conn)
 
     def abandon(self, d: Decided, why: str) -> None:
         """A decided batch that will not be committed (its shards could not be written): its tasks

@@ -286,6 +286,58 @@ def test_a_skipped_copy_whose_slot_was_freed_while_another_result_was_stored_lea
     assert assigned(drain(a2)) == ids(0) and list(task.holders) == ["a"] and (1, "t00") in a2.worker.holding
 
 
+def _resent_while_a_backup_result_is_stored(tmp_path):
+    """a's result for t00 lost at a restart with its ack; t00 handed to a again (skipped) and to b
+    as a backup, whose result is being stored; then a re-sends its batch: decided, not committed."""
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=2)
+    h1.sched.submit(RUN, 1, specs(2), IterationConfig(backup_tasks=1))
+    assert assigned(drain(a)) == ids(0, 1)
+    h1.sched.accept(a, [(1, group("t00"))], "a-1")
+    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)
+    h2.incarnations["a"] = incarnation
+    a2 = h2.worker("a", slots=2, running=[(1, "t01")])
+    assert assigned(drain(a2)) == ids(0)
+    b = h2.worker("b", slots=1, running=[])
+    assert assigned(drain(b)) == ids(0)
+    stored_by_b = h2.sched.decide(b, [(1, group("t00"))], "b-1")
+    resent = h2.sched.decide(a2, [(1, group("t00"))], "a-1")
+    task = h2.it().tasks["t00"]
+    assert resent.replay is not None and "a" not in task.holders and (1, "t00") not in a2.worker.holding
+    return h2, a2, b, stored_by_b, resent, task
+
+
+def test_a_resent_batch_whose_stream_ends_before_its_commit_leaves_no_holder_behind(tmp_path):
+    """The other result abandoned, its worker gone, and a's stream ends before the re-sent batch
+    commits (the give-back at the commit is skipped then): t00 was left RUNNING, held by a, until
+    the task lease ran out (a review found it); now a is no holder from the decision on."""
+    h2, a2, b, stored_by_b, resent, task = _resent_while_a_backup_result_is_stored(tmp_path)
+    drain(a2)
+    h2.sched.abandon(stored_by_b, "store failed")
+    h2.sched.disconnect(b, "b died")
+    h2.sched.disconnect(a2, "a's stream broke")
+    h2.sched.commit(resent)
+    assert task.status is TaskStatus.QUEUED and not task.holders and not h2.sched.conns[RUN]
+
+
+def test_the_other_result_abandoned_before_the_resent_batch_commits_queues_its_task_once(tmp_path):
+    h2, a2, b, stored_by_b, resent, task = _resent_while_a_backup_result_is_stored(tmp_path)
+    drain(a2)
+    requeues = task.requeues
+    h2.sched.abandon(stored_by_b, "store failed")  # b's slot comes back: b still holds t00
+    h2.sched.disconnect(b, "b died")  # t00 queued again, handed to a, which skips it (no ack yet)
+    assert task.requeues == requeues + 1 and assigned(drain(a2)) == ids(0)
+    ack, end = h2.sched.commit(resent)
+    assert ack.accepted == 1 and end is None
+    # given back at the commit, once, and not straight back to a: its ack goes first
+    assert task.status is TaskStatus.QUEUED and task.requeues == requeues + 2 and list(h2.it().queue).count("t00") == 1
+    assert assigned(drain(a2)) == []
+    h2.advance(1.0, alive=("a",))
+    assert assigned(drain(a2)) == ids(0) and list(task.holders) == ["a"] and (1, "t00") in a2.worker.holding
+
+
 def test_a_batch_resent_after_a_restart_gives_back_the_copy_handed_out_again_that_its_worker_skipped(tmp_path):
     """As above, with the re-sent batch's first answer a refusal: another worker's copy was being
     stored (then lost with the crash)."""
