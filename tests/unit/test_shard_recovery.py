@@ -30,6 +30,24 @@ def restart(h: Harness, tmp_path, seconds: float = 10.0) -> Harness:
     return Harness(clock=Clock(now=5.0, wall_offset=h.clock.wall() + seconds - 5.0), state_dir=tmp_path)
 
 
+def lost_with_its_ack(tmp_path, *, slots: int, tasks: int = 2, config: IterationConfig | None = None) -> Harness:
+    """Worker a (``slots``) has t00's result stored (batch "a-1"), then the coordinator restarts
+    with that shard file lost (a rename that never reached the disk) and a's ack lost with the
+    crash: the restarted Harness, with a's incarnation kept and t00 queued again."""
+    h1 = Harness(state_dir=tmp_path)
+    a = h1.worker("a", slots=slots)
+    h1.sched.submit(RUN, 1, specs(tasks), config or IterationConfig())
+    assert assigned(drain(a)) == ids(*range(min(slots, tasks)))
+    ack, _ = h1.sched.accept(a, [(1, group("t00"))], "a-1")
+    assert ack.accepted == 1
+    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
+    incarnation = h1.incarnations["a"]
+    h2 = restart(h1, tmp_path)
+    h2.incarnations["a"] = incarnation
+    assert h2.it().tasks["t00"].status is TaskStatus.QUEUED
+    return h2
+
+
 def test_with_fsync_a_shard_and_its_directory_are_synced_after_the_rename(tmp_path, monkeypatch):
     synced: list[str] = []
     real_fsync = os.fsync
@@ -183,17 +201,7 @@ def test_a_copy_handed_to_a_worker_holding_its_result_is_given_back_when_the_res
     again and handed to that same worker on its hello, which skips it, then re-sends the batch.
     The re-sent batch gets its first ack, and the copy it skipped is given back: before, it held
     the worker's slot and the task until the task lease ran out (600 s by default)."""
-    h1 = Harness(state_dir=tmp_path)
-    a = h1.worker("a", slots=1)
-    h1.sched.submit(RUN, 1, specs(2), IterationConfig())
-    assert assigned(drain(a)) == ids(0)
-    ack, _ = h1.sched.accept(a, [(1, group("t00"))], "a-1")  # its ack is lost with the crash
-    assert ack.accepted == 1
-    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
-    incarnation = h1.incarnations["a"]
-    h2 = restart(h1, tmp_path)
-    h2.incarnations["a"] = incarnation
-    assert h2.it().tasks["t00"].status is TaskStatus.QUEUED  # the lost group's task
+    h2 = lost_with_its_ack(tmp_path, slots=1)
     a2 = h2.worker("a", slots=1, running=[])  # the hello: nothing runs
     assert assigned(drain(a2)) == ids(0)  # handed to a again: a skips it (it holds the result)
     ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")  # the batch whose ack it lost
@@ -211,15 +219,7 @@ def test_the_copy_handed_again_to_a_worker_that_does_not_say_what_runs_is_kept(t
     """A worker whose hello does not name what it runs (``reports_running``, an older one) may run
     a task handed to it while it holds the task's result: its copy stays until its own result or
     its lease, as before."""
-    h1 = Harness(state_dir=tmp_path)
-    a = h1.worker("a", slots=1)
-    h1.sched.submit(RUN, 1, specs(2), IterationConfig())
-    assert assigned(drain(a)) == ids(0)
-    h1.sched.accept(a, [(1, group("t00"))], "a-1")
-    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
-    incarnation = h1.incarnations["a"]
-    h2 = restart(h1, tmp_path)
-    h2.incarnations["a"] = incarnation
+    h2 = lost_with_its_ack(tmp_path, slots=1)
     a2 = h2.worker("a", slots=1)  # no running list
     assert assigned(drain(a2)) == ids(0)
     ack, _ = h2.sched.accept(a2, [(1, group("t00"))], "a-1")
@@ -232,15 +232,7 @@ def test_a_skipped_copy_whose_lease_ran_out_before_the_resent_batch_commits_is_g
     again, and a keeps the slot. Neither the decision (a was a holder then) nor, as first written,
     the commit (a is not now) freed it, and with one worker t00 stayed queued for good (a review
     found it)."""
-    h1 = Harness(state_dir=tmp_path)
-    a = h1.worker("a", slots=2)
-    h1.sched.submit(RUN, 1, specs(3), IterationConfig(task_lease_s=30.0))
-    assert assigned(drain(a)) == ids(0, 1)
-    h1.sched.accept(a, [(1, group("t00"))], "a-1")  # its ack is lost with the crash
-    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
-    incarnation = h1.incarnations["a"]
-    h2 = restart(h1, tmp_path)
-    h2.incarnations["a"] = incarnation
+    h2 = lost_with_its_ack(tmp_path, slots=2, tasks=3, config=IterationConfig(task_lease_s=30.0))
     a2 = h2.worker("a", slots=2, running=[])
     assert sorted(assigned(drain(a2))) == ids(0, 1)  # a skips t00 (it holds the result), runs t01
     first = h2.sched.decide(a2, [(1, group("t01"))], "a-2")  # being written (a thread)
@@ -261,15 +253,7 @@ def test_a_skipped_copy_whose_slot_was_freed_while_another_result_was_stored_lea
     its decision frees the skipped copy's slot, and a stayed one of the task's holders. When that
     other result is abandoned (its shard write failed) and its worker goes, the task stayed RUNNING
     held by a, which neither runs it nor counts it, until the task lease ran out (a review found it)."""
-    h1 = Harness(state_dir=tmp_path)
-    a = h1.worker("a", slots=2)
-    h1.sched.submit(RUN, 1, specs(2), IterationConfig(backup_tasks=1))
-    assert assigned(drain(a)) == ids(0, 1)
-    h1.sched.accept(a, [(1, group("t00"))], "a-1")  # its ack is lost with the crash
-    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
-    incarnation = h1.incarnations["a"]
-    h2 = restart(h1, tmp_path)
-    h2.incarnations["a"] = incarnation
+    h2 = lost_with_its_ack(tmp_path, slots=2, config=IterationConfig(backup_tasks=1))
     a2 = h2.worker("a", slots=2, running=[(1, "t01")])
     assert assigned(drain(a2)) == ids(0)  # t01 claimed; a skips t00: it holds the result of a-1
     b = h2.worker("b", slots=1, running=[])
@@ -289,15 +273,7 @@ def test_a_skipped_copy_whose_slot_was_freed_while_another_result_was_stored_lea
 def _resent_while_a_backup_result_is_stored(tmp_path):
     """a's result for t00 lost at a restart with its ack; t00 handed to a again (skipped) and to b
     as a backup, whose result is being stored; then a re-sends its batch: decided, not committed."""
-    h1 = Harness(state_dir=tmp_path)
-    a = h1.worker("a", slots=2)
-    h1.sched.submit(RUN, 1, specs(2), IterationConfig(backup_tasks=1))
-    assert assigned(drain(a)) == ids(0, 1)
-    h1.sched.accept(a, [(1, group("t00"))], "a-1")
-    (h1.store.iteration_dir(RUN, 1) / h1.it().shard_of["t00"]).unlink()
-    incarnation = h1.incarnations["a"]
-    h2 = restart(h1, tmp_path)
-    h2.incarnations["a"] = incarnation
+    h2 = lost_with_its_ack(tmp_path, slots=2, config=IterationConfig(backup_tasks=1))
     a2 = h2.worker("a", slots=2, running=[(1, "t01")])
     assert assigned(drain(a2)) == ids(0)
     b = h2.worker("b", slots=1, running=[])
