@@ -285,36 +285,24 @@ class ResultBook:
         member_id = conn.worker.member_id
         if not self._gives_back(conn):
             return
-        its, requeued = self.iterations.get(conn.run_id, {}), False
+        its, unheld = self.iterations.get(conn.run_id, {}), []
         keys = {(iteration, group.task_id) for iteration, group in d.groups}
         for iteration, of_iteration in itertools.groupby(sorted(keys), key=lambda key: key[0]):
-            it, held, holder_only = its.get(iteration), [], []
+            it, held, unheld_before = its.get(iteration), [], len(unheld)
             for key in of_iteration:
                 task = it.tasks.get(key[1]) if it is not None else None
-                if key in conn.worker.holding:
-                    if task is not None and task.storing:
-                        self._free_slot(conn, key)
-                        task.holders.pop(member_id, None)
-                    else:
-                        held.append(key[1])
-                elif task is not None and member_id in task.holders:
-                    holder_only.append(task)
-            if held or holder_only:
+                if key in conn.worker.holding and not (task is not None and task.storing):
+                    held.append(key[1])
+                elif key in conn.worker.holding or (task is not None and member_id in task.holders):
+                    self._free_slot(conn, key)  # (a task being stored: its other result decides it)
+                    unheld.append(key)
+            if n := len(held) + len(unheld) - unheld_before:
                 log.info("run %s iteration %d: worker %s re-sent a batch with the results of %d task(s) handed to it "
-                         "again meanwhile, which it skipped; given back", conn.run_id, iteration, member_id,
-                         len(held) + len(holder_only))
-            if holder_only:
-                with self.db.tx():
-                    for task in holder_only:
-                        if task.storing:
-                            task.holders.pop(member_id, None)
-                        else:
-                            requeued |= bool(self._requeue(it, task, member_id, "its copy was skipped"))
-                    self.db.put_counters(it)
+                         "again meanwhile, which it skipped; given back", conn.run_id, iteration, member_id, n)
             if held:
                 self.release(conn, iteration, held, "handed out again while its worker held the result")
-        if requeued:
-            self._dispatch(conn.run_id, skip=conn)  # (see release)
+        if unheld:  # its holders without its slot, or a task being stored: no copy of this worker's left
+            self._requeue_orphans(conn.run_id, unheld, "its copy was skipped", member_id=member_id, skip=conn)
 
     def _gives_back(self, conn: WorkerConn) -> bool:
         """Whether a batch re-sent on ``conn`` gives back its tasks' copies (see
@@ -349,9 +337,10 @@ class ResultBook:
         self._requeue_orphans(conn.run_id, d.released, why, member_id=conn.worker.member_id)
         self._requeue_orphans(conn.run_id, orphans, why)
 
-    def _requeue_orphans(self, run_id: str, keys, why: str, *, member_id: str = "") -> None:
+    def _requeue_orphans(self, run_id: str, keys, why: str, *, member_id: str = "", skip: WorkerConn | None = None) -> None:
         """Queue again each task of ``keys`` (iteration, task id) that is running with no copy
-        left (after dropping ``member_id``'s), and not being stored: nothing else would.
+        left (after dropping ``member_id``'s), and not being stored: nothing else would. The
+        dispatch that follows passes over ``skip``.
 
         A copy refused as a duplicate of a result being stored frees its worker on arrival, and
         its commit drops it from the task's holders; if the stored result is then abandoned, the
@@ -371,7 +360,7 @@ class ResultBook:
                         requeued |= bool(self._requeue(it, task, member_id, why))
                 self.db.put_counters(it)
         if requeued or member_id:
-            self._dispatch(run_id)
+            self._dispatch(run_id, skip=skip)
 
     def _complete(self, it: Iteration, task: Task, group: GroupRecord, shard: str) -> None:
         """Apply a committed result in memory (the node's stats come from ``_staged_counters``)."""
